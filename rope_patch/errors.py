@@ -1,0 +1,34 @@
+"""One error family for everything a user can get wrong.
+
+Every problem a user can cause (a typo in a method name, a non-positive factor, a model path that does
+not exist, a data set with no document long enough) raises a subclass of :class:`RopePatchError`, which is
+a ``ValueError``. The command line prints its message on one line and exits with status 2.
+"""
+
+
+class RopePatchError(ValueError):
+    """Bad input: the message names the problem and the fix."""
+
+
+class UnknownMethodError(RopePatchError):
+    """A method name that is not in the registry."""
+
+
+class InvalidParameterError(RopePatchError):
+    """A missing, unknown or out-of-range method parameter."""
+
+
+class UnsupportedModelError(RopePatchError):
+    """A model whose position encoding rope_patch cannot patch."""
+
+
+class ModelNotFoundError(RopePatchError):
+    """A model name or folder that cannot be found."""
+
+
+class DataError(RopePatchError):
+    """A data set, file or corpus that cannot be used as asked."""
+
+
+class ConfigError(RopePatchError):
+    """A YAML config or command-line value that cannot be used."""

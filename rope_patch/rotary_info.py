@@ -1,0 +1,157 @@
+"""What a model's RoPE looks like, pair by pair: the reason NTK-by-parts and YaRN treat pairs differently.
+
+Pair i rotates by θ_i per token, a wavelength λ_i = 2π/θ_i. Within the native window L it turns r_i = L/λ_i times.
+Pairs with r_i ≫ 1 have seen every angle in training and can extrapolate; pairs with r_i < 1 have not, and
+extrapolating them past L is what breaks an unpatched model. ``rope-patch inspect`` prints this before and after
+a method, on the user's own model.
+"""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+import math
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+from .methods import compute_frequencies, method_label, resolve_params
+from .methods import RopeBase
+from .patching import CONFIG_KEY, _default_layer_types, current_patch, find_rotary_modules, native_length
+
+
+@dataclass
+class RotaryInfo:
+    model_type: str
+    rotary_class: str
+    head_dim: int
+    rotary_dim: int
+    pairing: str
+    rope_theta: float
+    native_length: int
+    scaling: str
+    layer_type: str | None
+
+
+def pairing_convention(model: nn.Module) -> str:
+    """Half-split (dimension j with j + d/2, ``rotate_half``) or interleaved (2j with 2j+1), read off the model's code."""
+    module = sys.modules.get(type(model).__module__)
+    rotate = getattr(module, "rotate_half", None)
+    try:
+        source = pyinspect.getsource(rotate) if rotate else ""
+    except (OSError, TypeError):
+        source = ""
+    if "::2" in source:
+        return "interleaved (2j with 2j+1)"
+    return "half-split (j with j + d/2, rotate_half)"
+
+
+def describe_rotary(model: nn.Module) -> RotaryInfo:
+    """The model's rotary set-up as it is now (for Gemma 3: its global layers)."""
+    name, module = find_rotary_modules(model)[0]
+    config = module.config
+    layer_type = _default_layer_types(module, config.rope_parameters)[0]
+    buffer = f"{layer_type}_inv_freq" if layer_type else "inv_freq"
+    rotary_dim = 2 * module._buffers[buffer].numel()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+    applied = current_patch(model)
+    saved = getattr(config, CONFIG_KEY, None)
+    if applied:
+        scaling = f"{applied['label']} (patched by rope_patch)"
+    elif isinstance(saved, dict):
+        scaling = f"{saved.get('label')} (saved by rope_patch, not applied)"
+    else:
+        extra = {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta", "partial_rotary_factor")}
+        scaling = params.get("rope_type", "default") + (f" {extra}" if extra else "")
+    theta = model._rope_patch_state.targets[0].base.rope_theta if applied else float(params["rope_theta"])
+    return RotaryInfo(
+        model_type=f"{type(model).__name__} ({config.model_type})",
+        rotary_class=f"{name}: {type(module).__name__}",
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        pairing=pairing_convention(model),
+        rope_theta=theta,
+        native_length=native_length(model),
+        scaling=scaling,
+        layer_type=layer_type,
+    )
+
+
+def frequency_table(info: RotaryInfo, method: str | None = None, params: dict | None = None) -> list[dict]:
+    """Per pair: wavelength and turns within the native window, before and (with a method) after."""
+    base = RopeBase(info.rope_theta, info.rotary_dim, info.native_length)
+    before, _ = compute_frequencies("none", base, {})
+    after = None
+    if method:
+        resolved = resolve_params(method, base, params or {})
+        after, _ = compute_frequencies(method, base, resolved, seq_len=None)
+    rows = []
+    for i, theta in enumerate(before.tolist()):
+        row = {"pair": i, "wavelength": 2 * math.pi / theta, "turns": info.native_length * theta / (2 * math.pi)}
+        if after is not None:
+            new = after[i].item()
+            row.update({"wavelength_after": 2 * math.pi / new, "turns_after": info.native_length * new / (2 * math.pi),
+                        "scale": theta / new})
+        rows.append(row)
+    return rows
+
+
+def format_report(info: RotaryInfo, rows: list[dict], method: str | None = None, params: dict | None = None,
+                  attention_factor: float | None = None) -> str:
+    lines = [
+        f"model          {info.model_type}",
+        f"rotary module  {info.rotary_class}" + (f" (layer type {info.layer_type})" if info.layer_type else ""),
+        f"head dim       {info.head_dim}   rotary dims {info.rotary_dim} ({info.rotary_dim // 2} pairs)",
+        f"pairing        {info.pairing}",
+        f"base theta     {info.rope_theta:g}",
+        f"native length  {info.native_length}",
+        f"scaling now    {info.scaling}",
+        "",
+    ]
+    header = f"{'pair':>4} {'wavelength':>12} {'turns in L':>11}"
+    if method:
+        label = method_label(method, params)
+        lines.append(f"after {label}: attention factor {attention_factor:.4f}; 'scale' = θ_before / θ_after "
+                     "(1 = kept, s = interpolated)")
+        header += f" {'wavelength':>12} {'turns in L':>11} {'scale':>7}"
+    lines.append(header)
+    for row in rows:
+        line = f"{row['pair']:>4} {row['wavelength']:>12.1f} {row['turns']:>11.2f}"
+        if method:
+            line += f" {row['wavelength_after']:>12.1f} {row['turns_after']:>11.2f} {row['scale']:>7.3f}"
+        lines.append(line)
+    below = sum(r["turns"] < 1 for r in rows)
+    lines.append(f"{below} of {len(rows)} pairs turn less than once in the native window: "
+                 "they never saw all angles in training, and are the ones that break past it.")
+    return "\n".join(lines)
+
+
+def load_structure(name_or_path=None) -> nn.Module:
+    """The model's modules and RoPE buffers without its weights (parameters on the meta device): inspecting a
+    70B model should not need 140 GB."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .errors import ModelNotFoundError
+    from .models import model_path
+    from .patching import restore_saved_patch
+
+    path = model_path(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ModelNotFoundError(
+            f"cannot load model config {str(path)!r}: {str(error).splitlines()[0]} "
+            "(give a folder with config.json or a hub id; hub downloads need network access)"
+        ) from None
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    restore_saved_patch(model)
+    return model
+
+
+def attention_factor_of(info: RotaryInfo, method: str, params: dict) -> float:
+    base = RopeBase(info.rope_theta, info.rotary_dim, info.native_length)
+    _, factor = compute_frequencies(method, base, resolve_params(method, base, params), seq_len=None)
+    return float(factor)

@@ -1,0 +1,90 @@
+"""The command line: every verb answers --help, every YAML config loads, bad input exits 2 with one line."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import build_model, tiny_llama_config
+
+from rope_patch.cli import VERBS, build_parser, main
+from rope_patch.cli.common import load_config
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").rglob("*.yaml"))
+
+
+def subparser(verb):
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.dest == "verb")
+    return action.choices[verb]
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_answers_help(verb, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([verb, "--help"])
+    assert exit_info.value.code == 0
+    assert "--config" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_config_loads_with_the_command_its_first_line_names(path):
+    first = path.read_text().splitlines()[0]
+    if path.parent.name == "accelerate":
+        assert first.startswith("# accelerate launch --config_file"), first
+        assert isinstance(yaml.safe_load(path.read_text()), dict)
+        return
+    assert first.startswith("# rope-patch "), f"{path}: first line must be the command that runs it"
+    verb = first.split()[2]
+    assert f"--config {path.relative_to(path.parents[2] if path.parent.name != 'configs' else path.parents[1])}" in first
+    values = load_config(path, subparser(verb))
+    assert values
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    build_model(tiny_llama_config()).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_inspect_shows_pairs_before_and_after(tiny_folder, capsys):
+    assert main(["inspect", str(tiny_folder), "--method", "yarn:factor=4"]) == 0
+    out = capsys.readouterr().out
+    assert "native length  64" in out and "rotary dims 16 (8 pairs)" in out and "attention factor 1.1386" in out
+    assert "half-split" in out
+
+
+def test_inspect_of_a_saved_patched_model_reports_its_scaling(tmp_path, capsys):
+    import rope_patch
+
+    model = build_model(tiny_llama_config())
+    rope_patch.patch(model, "linear", factor=2)
+    model.save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "linear:factor=2" in out and "native length  64" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "--method", "yarnn:factor=2"], "unknown method 'yarnn'"),
+        (["inspect", "--method", "linear:factor=-1"], "must be a positive number"),
+        (["inspect", "./does/not/exist"], "does not exist"),
+        (["inspect", "--config", "no_such.yaml"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_malformed_yaml_config(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: [yarn\n")
+    assert main(["inspect", "--config", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("mehtod: yarn:factor=2\n")
+    assert main(["inspect", "--config", str(unknown)]) == 2
+    assert "unknown option 'mehtod'" in capsys.readouterr().err
