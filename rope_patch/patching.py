@@ -24,13 +24,22 @@ import copy
 import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import InvalidParameterError, UnsupportedModelError
-from .methods import RopeBase, compute_frequencies, default_inv_freq, get_method, method_label, resolve_params
+from .methods import (
+    RopeBase,
+    compute_frequencies,
+    default_inv_freq,
+    get_method,
+    method_label,
+    parse_method_spec,
+    resolve_params,
+)
 
 STATE_ATTR = "_rope_patch_state"
 CONFIG_KEY = "rope_patch"  # where a checkpoint records the patch (inside config.json)
@@ -486,6 +495,34 @@ def patched(model: nn.Module, method: str, **params: Any) -> Iterator[PatchRepor
             patch(model, previous["method"], layer_types=previous["layer_types"], **previous["params"])
 
 
+AS_LOADED = "as-loaded"  # a method spec: the model as loaded, with whatever scaling its checkpoint carries
+
+
+def method_entries(model: nn.Module, specs: list[str | Mapping[str, Any]]) -> list[tuple[str, str, dict]]:
+    """``(label, name, params)`` of each method spec, checked now (a typo fails before hours of work);
+    ``as-loaded`` is labelled with the scaling the model carries, e.g. ``as-loaded (linear:factor=2)``."""
+    entries = []
+    for spec in specs:
+        if spec == AS_LOADED:
+            current = current_patch(model) if model is not None else None
+            entries.append((f"{AS_LOADED} ({current['label'] if current else 'none'})", AS_LOADED, {}))
+        else:
+            name, params = parse_method_spec(spec)
+            entries.append((method_label(name, params), name, params))
+    return entries
+
+
+@contextlib.contextmanager
+def applied(model: nn.Module, name: str, params: Mapping[str, Any]) -> Iterator[None]:
+    """Patch with one method for a block; ``as-loaded`` leaves the model as it is, so a fine-tuned checkpoint is
+    evaluated with its own scaling, never scaled twice."""
+    if name == AS_LOADED:
+        yield
+    else:
+        with patched(model, name, **params):
+            yield
+
+
 @contextlib.contextmanager
 def fixed_length(model: nn.Module, length: int) -> Iterator[None]:
     """Inside the block, dynamic methods compute their frequencies for ``length`` tokens on every forward.
@@ -542,10 +579,15 @@ def from_pretrained(name_or_path, **kwargs: Any):
 
     For methods transformers knows (linear, dynamic NTK, YaRN, Llama 3, LongRoPE, NTK as a new base), the plain
     transformers load is already right; this one additionally restores methods it does not know (dynamic YaRN,
-    user-registered methods) and makes :func:`unpatch` return the original pretrained model.
+    user-registered methods) and makes :func:`unpatch` return the original pretrained model. A LoRA adapter folder
+    written by ``rope-patch finetune --save-adapter`` is loaded onto its base model and merged.
     """
     from transformers import AutoModelForCausalLM
 
+    if (Path(name_or_path) / "adapter_config.json").is_file():  # a LoRA adapter saved by rope-patch finetune
+        from .finetune import load_adapter_checkpoint
+
+        return load_adapter_checkpoint(name_or_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     with contextlib.suppress(UnsupportedModelError):
         restore_saved_patch(model)

@@ -1,0 +1,229 @@
+"""Documents for long-context evaluation and fine-tuning, and their tokens, cached on disk.
+
+Sources, all read through ``datasets``:
+
+* ``None`` / ``"stdlib"``: the embedded default corpus, built from the running interpreter's standard library, so
+  it needs no download: ``pydoc_data/topics.py`` joined into one prose document and the largest modules as code.
+* a local ``.txt`` file (one document), ``.jsonl``/``.json``/``.parquet`` file (one row, one document), or a
+  folder of such files (searched recursively, in sorted order);
+* a hub data set name, with ``split``, ``text_field`` and an optional ``subset`` (configuration name).
+
+Tokens are stored without special tokens; whether a BOS token starts each window is the caller's explicit choice
+(see :func:`resolve_bos`). Tokenised corpora are cached under ``cache_dir()/tokens``, keyed by a fingerprint of the
+tokenizer and of the texts themselves, so a second run (or a second method) never tokenises again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+from .models import cache_dir
+
+DEFAULT_CORPUS = "stdlib"
+STDLIB_MODULES = 16  # the largest modules of the standard library join the prose document as code
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Document:
+    """One text and a stable identifier (a file name, ``file:row`` or ``split:row``)."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenizedDocument:
+    """A document's token ids (no special tokens), as int32 so vocabularies beyond 65,536 are safe."""
+
+    id: str
+    ids: np.ndarray  # (n_tokens,) int32
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------- loading texts
+
+
+def load_documents(
+    source: str | os.PathLike | None = None,
+    *,
+    split: str | None = None,
+    text_field: str = "text",
+    subset: str | None = None,
+) -> list[Document]:
+    """Load documents from the default corpus, a local file or folder, or a hub data set.
+
+    ``split`` applies to hub data sets (default ``"test"``); local files have a single split. Empty texts are dropped.
+    Raises :class:`DataError` for a missing file, an unknown data set, a missing text field or an empty corpus.
+    """
+    if source in (None, "", DEFAULT_CORPUS, "default"):
+        return stdlib_corpus()
+    path = Path(source).expanduser()
+    if path.exists():
+        documents = _load_local(path, text_field)
+    elif path.suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
+        raise DataError(f"data file or folder {str(source)!r} does not exist; give a .txt/.jsonl/.parquet file, "
+                        "a folder of them, or a hub data set name")
+    else:
+        documents = _load_hub(str(source), split or "test", text_field, subset)
+    documents = [d for d in documents if d.text.strip()]
+    if not documents:
+        raise DataError(f"{str(source)!r} holds no non-empty text; check --text-field or the files")
+    return documents
+
+
+def stdlib_corpus() -> list[Document]:
+    """The embedded default corpus: pydoc's topic help as one prose document, then the largest stdlib modules."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    from pydoc_data.topics import topics
+
+    prose = "\n\n".join(f"{name}\n{'=' * len(name)}\n\n{topics[name]}" for name in sorted(topics))
+    documents = [Document("pydoc_data/topics.py", prose)]
+    modules = sorted(stdlib.glob("*.py"), key=lambda p: (-p.stat().st_size, p.name))[:STDLIB_MODULES]
+    documents += [Document(p.name, p.read_text(encoding="utf-8")) for p in modules]
+    return documents
+
+
+def _load_local(path: Path, text_field: str) -> list[Document]:
+    files = sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS) if path.is_dir() else [path]
+    if not files:
+        raise DataError(f"folder {str(path)!r} has no .txt, .jsonl, .json or .parquet files")
+    documents = []
+    for file in files:
+        builder = FILE_BUILDERS.get(file.suffix)
+        if builder is None:
+            raise DataError(f"cannot read {str(file)!r}: use a .txt, .jsonl, .json or .parquet file")
+        name = str(file.relative_to(path)) if path.is_dir() else file.name
+        if builder == "text":  # one file, one document
+            rows = _datasets_load("text", str(file), data_files=[str(file)], sample_by="document")
+        else:  # one row, one document
+            rows = _datasets_load(builder, str(file), data_files=[str(file)])
+        texts = _column(rows, "text" if builder == "text" else text_field, str(file))
+        documents += [Document(name if builder == "text" else f"{name}:{i}", t) for i, t in enumerate(texts)]
+    return documents
+
+
+def _load_hub(name: str, split: str, text_field: str, subset: str | None) -> list[Document]:
+    rows = _datasets_load(name, name, subset, split=split)
+    return [Document(f"{split}:{i}", t) for i, t in enumerate(_column(rows, text_field, name))]
+
+
+def _datasets_load(path: str, label: str, *args, split: str = "train", **kwargs):
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # "Generating train split" for every local file is noise here
+    try:
+        return datasets.load_dataset(path, *args, split=split, **kwargs)
+    except (FileNotFoundError, ConnectionError) as error:
+        raise DataError(
+            f"cannot load data set {label!r} ({type(error).__name__}): check the name, or give a local "
+            ".txt/.jsonl/.parquet file or folder (hub data sets need network access or a local copy)"
+        ) from None
+    except ValueError as error:  # e.g. an unknown split or configuration name
+        raise DataError(f"cannot load data set {label!r}: {str(error).splitlines()[0]}") from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
+def _column(rows, field: str, label: str) -> list[str]:
+    if field not in rows.column_names:
+        fields = ", ".join(rows.column_names)
+        raise DataError(f"{label!r} has no field {field!r}; its fields are {fields} (use --text-field)")
+    return [t if isinstance(t, str) else "" for t in rows[field]]
+
+
+# ----------------------------------------------------------------------------------------------- tokenising
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of everything that decides how the tokenizer splits text (its full serialised form when it has one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        state = backend.to_str()
+    else:
+        state = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(f"{type(tokenizer).__name__}\n{state}".encode()).hexdigest()[:16]
+
+
+def documents_fingerprint(documents: Sequence[Document]) -> str:
+    """A hash of the documents' ids and texts: the data part of the token cache key."""
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(doc.id.encode() + b"\0" + doc.text.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def tokenize_documents(tokenizer, documents: Sequence[Document], *, cache: bool = True) -> list[TokenizedDocument]:
+    """Token ids of each document, without special tokens, from the on-disk cache when this pair was seen before.
+
+    The cache file is ``cache_dir()/tokens/<tokenizer>-<data>.npz`` (one flat int32 array and offsets); it is
+    written atomically, so an interrupted run never leaves a half-written cache behind.
+    """
+    key = f"{tokenizer_fingerprint(tokenizer)}-{documents_fingerprint(documents)}"
+    path = cache_dir() / "tokens" / f"{key}.npz"
+    if cache and path.is_file():
+        with np.load(path, allow_pickle=False) as stored:
+            flat, offsets = stored["tokens"], stored["offsets"]
+        return [TokenizedDocument(d.id, flat[offsets[i]:offsets[i + 1]]) for i, d in enumerate(documents)]
+    encoded = tokenizer([d.text for d in documents], add_special_tokens=False, verbose=False)["input_ids"]
+    arrays = [np.asarray(ids, dtype=np.int32) for ids in encoded]
+    if cache:
+        offsets = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, tokens=np.concatenate(arrays) if arrays else np.zeros(0, np.int32), offsets=offsets)
+        os.replace(tmp, path)
+    return [TokenizedDocument(d.id, a) for d, a in zip(documents, arrays)]
+
+
+def resolve_bos(tokenizer, add_bos: bool | None = None) -> int | None:
+    """The BOS id to put at the start of every window, or ``None`` for no BOS.
+
+    ``add_bos=None`` follows the tokenizer's own default (does ``tokenizer("a")`` start with its BOS token?): Llama
+    tokenizers do, SmolLM2's does not. ``True`` without a BOS token in the tokenizer is an error.
+    """
+    bos = tokenizer.bos_token_id
+    if add_bos is None:
+        return bos if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else None
+    if add_bos and bos is None:
+        raise DataError("the tokenizer has no BOS token; drop add_bos (--bos) or use a tokenizer that has one")
+    return bos if add_bos else None
+
+
+# ----------------------------------------------------------------------------------------------- choosing documents
+
+
+def select_documents(
+    documents: Sequence[TokenizedDocument], min_tokens: int, count: int | None = None, *, seed: int = 0
+) -> tuple[list[TokenizedDocument], int]:
+    """Documents with at least ``min_tokens`` tokens (``count`` of them sampled with ``seed``, in corpus order).
+
+    Returns ``(chosen, skipped)`` where ``skipped`` counts the documents that were too short. Raises
+    :class:`DataError` when none is long enough, naming the longest one.
+    """
+    long_enough = [d for d in documents if len(d) >= min_tokens]
+    if not long_enough:
+        longest = max(documents, key=len, default=None)
+        have = f"the longest, {longest.id!r}, has {len(longest):,} tokens" if longest else "there are none"
+        raise DataError(f"no document has the {min_tokens:,} tokens needed ({have}); "
+                        "use shorter lengths or longer documents")
+    if count is not None and count < len(long_enough):
+        if count <= 0:
+            raise DataError(f"documents must be a positive number, not {count}")
+        picked = set(random.Random(seed).sample(range(len(long_enough)), count))
+        long_enough = [d for i, d in enumerate(long_enough) if i in picked]
+    return long_enough, len(documents) - sum(len(d) >= min_tokens for d in documents)

@@ -1,0 +1,162 @@
+"""Passkey reports: accuracy per method × length (× depth) as a terminal table, CSV, JSON and plots.
+
+Pure aggregation (:func:`summarize`, :func:`pooled`) is kept apart from writing files, so the terminal, the
+files and the plots show the same numbers. File and figure plumbing is shared with :mod:`rope_patch.reporting`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from .reporting import _prepare, _pyplot, _save  # the figure and file plumbing the perplexity reports use
+
+CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy")
+
+
+def summarize(records: Sequence[dict]) -> list[dict]:
+    """One row per method × length × depth (in first-seen order): trials, correct answers and accuracy."""
+    cells: dict[tuple, list[bool]] = {}
+    for r in records:
+        cells.setdefault((r["method"], r["length"], r["depth"]), []).append(bool(r["correct"]))
+    return [
+        {"method": m, "length": n, "depth": d, "trials": len(hits), "correct": sum(hits), "accuracy": sum(hits) / len(hits)}
+        for (m, n, d), hits in cells.items()
+    ]
+
+
+def pooled(records: Sequence[dict], by: str = "length") -> dict[str, dict[float, tuple[int, int]]]:
+    """``{method: {value: (correct, trials)}}`` per value of ``by`` ("length" or "depth"), pooling the other."""
+    table: dict[str, dict[float, list[int]]] = {}
+    for r in records:
+        cell = table.setdefault(r["method"], {}).setdefault(r[by], [0, 0])
+        cell[0] += bool(r["correct"])
+        cell[1] += 1
+    return {m: {v: (c, t) for v, (c, t) in sorted(row.items())} for m, row in table.items()}
+
+
+def format_table(records: Sequence[dict], *, by: str = "length") -> str:
+    """Accuracy as ``correct/trials`` with one row per length (or per depth, pooled over lengths) and one column
+    per method, so a long grid of lengths stays narrow."""
+    table = pooled(records, by)
+    values = sorted({r[by] for r in records})
+    widths = [max(len(m), 10) + 2 for m in table]
+    first = "length" if by == "length" else "depth"
+    lines = [first.ljust(8) + "".join(m.rjust(w) for m, w in zip(table, widths))]
+    lines.append("-" * len(lines[0]))
+    for v in values:
+        name = f"{v:,}" if by == "length" else f"{v:g}"
+        lines.append(name.ljust(8) + "".join(_accuracy_text(row.get(v)).rjust(w) for row, w in zip(table.values(), widths)))
+    return "\n".join(lines)
+
+
+def _accuracy_text(cell: tuple[int, int] | None) -> str:
+    if cell is None:
+        return ""
+    correct, trials = cell
+    return f"{correct}/{trials} {100 * correct / trials:3.0f}%"
+
+
+def write_csv(rows: Sequence[dict], path: str | Path) -> Path:
+    path = _prepare(path)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CELL_FIELDS)
+        writer.writeheader()
+        writer.writerows({k: row[k] for k in CELL_FIELDS} for row in rows)
+    return path
+
+
+def write_json(records: Sequence[dict], path: str | Path, *, settings: dict | None = None) -> Path:
+    """The run's settings, the per-cell rows and the per-length accuracy of each method."""
+    path = _prepare(path)
+    summary = {
+        "task": "passkey retrieval (greedy decoding, first integer of the answer)",
+        "settings": settings or {},
+        "cells": summarize(records),
+        "by_length": {m: [{"length": n, "correct": c, "trials": t, "accuracy": c / t} for n, (c, t) in row.items()]
+                      for m, row in pooled(records, "length").items()},
+    }
+    path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def _draw_heatmap(ax, records: Sequence[dict], method: str):
+    """Accuracy of one method as colour over length (x) × depth (y), each cell labelled correct/trials if few."""
+    rows = [r for r in summarize(records) if r["method"] == method]
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    grid = [[float("nan")] * len(lengths) for _ in depths]
+    for r in rows:
+        grid[depths.index(r["depth"])][lengths.index(r["length"])] = r["accuracy"]
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="lower")
+    if len(lengths) * len(depths) <= 100:
+        for r in rows:
+            ax.text(lengths.index(r["length"]), depths.index(r["depth"]), f"{r['correct']}/{r['trials']}",
+                    ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], rotation=90 if len(lengths) > 6 else 0, fontsize=8)
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_title(method, fontsize=9)
+    return image
+
+
+def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[str] | None = None) -> Path:
+    """One heatmap panel per method, side by side, sharing one colour bar."""
+    plt = _pyplot()
+    methods = list(methods or dict.fromkeys(r["method"] for r in records))
+    columns = len({r["length"] for r in records})
+    width = max(3.2, 0.9 + 0.42 * columns)
+    fig, axes = plt.subplots(1, len(methods), figsize=(width * len(methods) + 1, 3.4), squeeze=False)
+    for ax, method in zip(axes[0], methods):
+        image = _draw_heatmap(ax, records, method)
+    axes[0][0].set_ylabel("key depth (0 = start)")
+    fig.colorbar(image, ax=list(axes[0]), label="passkey accuracy", fraction=0.04)
+    fig.savefig(_prepare(path), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native_length: int | None = None) -> Path:
+    """Accuracy (pooled over depths) against length, one line per method; markers shrink method by method so
+    methods with equal accuracy stay visible on top of each other."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    table = pooled(records, "length")
+    for i, (method, row) in enumerate(table.items()):
+        ax.plot(list(row), [c / t for c, t in row.values()], marker="osD^vP*X"[i % 8], fillstyle="none",
+                markersize=max(4, 13 - 2.5 * i), markeredgewidth=1.5, linewidth=1.2, label=method)
+    if native_length:
+        ax.axvline(native_length, color="grey", linestyle="--", linewidth=1, label=f"native length {native_length:,}")
+    lengths = sorted({r["length"] for r in records})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [f"{n:,}" for n in lengths], rotation=90 if len(lengths) > 8 else 0, fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("passkey accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _file_stem(method: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in method.replace(":", "_").replace("=", "")).strip("_")
+
+
+def write_reports(records: Sequence[dict], output_dir: str | Path, *, settings: dict | None = None,
+                  native_length: int | None = None) -> dict[str, Path]:
+    """Write summary.csv, summary.json, accuracy_vs_length.png, a heatmap per method and heatmaps.png (all of them)
+    into ``output_dir``."""
+    out = Path(output_dir)
+    files = {
+        "csv": write_csv(summarize(records), out / "summary.csv"),
+        "json": write_json(records, out / "summary.json", settings=settings),
+        "plot": plot_accuracy_vs_length(records, out / "accuracy_vs_length.png", native_length=native_length),
+    }
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    files["heatmaps"] = plot_heatmaps(records, out / "heatmaps.png", methods)
+    for method in methods:
+        files[f"heatmap {method}"] = plot_heatmaps(records, out / f"heatmap_{_file_stem(method)}.png", [method])
+    return files
