@@ -6,12 +6,11 @@ files and the plots show the same numbers. File and figure plumbing is shared wi
 
 from __future__ import annotations
 
-import csv
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .reporting import _prepare, _pyplot, _save  # the figure and file plumbing the perplexity reports use
+from .reporting import prepare_path, pyplot, save_figure, write_csv
 
 CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy")
 
@@ -59,18 +58,9 @@ def _accuracy_text(cell: tuple[int, int] | None) -> str:
     return f"{correct}/{trials} {100 * correct / trials:3.0f}%"
 
 
-def write_csv(rows: Sequence[dict], path: str | Path) -> Path:
-    path = _prepare(path)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CELL_FIELDS)
-        writer.writeheader()
-        writer.writerows({k: row[k] for k in CELL_FIELDS} for row in rows)
-    return path
-
-
 def write_json(records: Sequence[dict], path: str | Path, *, settings: dict | None = None) -> Path:
     """The run's settings, the per-cell rows and the per-length accuracy of each method."""
-    path = _prepare(path)
+    path = prepare_path(path)
     summary = {
         "task": "passkey retrieval (greedy decoding, first integer of the answer)",
         "settings": settings or {},
@@ -104,7 +94,7 @@ def _draw_heatmap(ax, records: Sequence[dict], method: str):
 
 def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[str] | None = None) -> Path:
     """One heatmap panel per method, side by side, sharing one colour bar."""
-    plt = _pyplot()
+    plt = pyplot()
     methods = list(methods or dict.fromkeys(r["method"] for r in records))
     columns = len({r["length"] for r in records})
     width = max(3.2, 0.9 + 0.42 * columns)
@@ -113,7 +103,7 @@ def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[s
         image = _draw_heatmap(ax, records, method)
     axes[0][0].set_ylabel("key depth (0 = start)")
     fig.colorbar(image, ax=list(axes[0]), label="passkey accuracy", fraction=0.04)
-    fig.savefig(_prepare(path), dpi=120, bbox_inches="tight")
+    fig.savefig(prepare_path(path), dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
@@ -121,7 +111,7 @@ def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[s
 def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native_length: int | None = None) -> Path:
     """Accuracy (pooled over depths) against length, one line per method; markers shrink method by method so
     methods with equal accuracy stay visible on top of each other."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     table = pooled(records, "length")
     for i, (method, row) in enumerate(table.items()):
@@ -138,7 +128,7 @@ def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _file_stem(method: str) -> str:
@@ -151,7 +141,7 @@ def write_reports(records: Sequence[dict], output_dir: str | Path, *, settings: 
     into ``output_dir``."""
     out = Path(output_dir)
     files = {
-        "csv": write_csv(summarize(records), out / "summary.csv"),
+        "csv": write_csv(summarize(records), out / "summary.csv", CELL_FIELDS),
         "json": write_json(records, out / "summary.json", settings=settings),
         "plot": plot_accuracy_vs_length(records, out / "accuracy_vs_length.png", native_length=native_length),
     }

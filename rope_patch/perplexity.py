@@ -329,9 +329,9 @@ def check_protocol(protocol: str, stride: int | None, lengths: Sequence[int], *,
     if protocol == "sliding":
         if stride is None or int(stride) < 1:
             raise ConfigError("the sliding protocol needs a positive --stride (the PI paper uses 256)")
-        if stride > min(lengths) - int(bos):
-            raise ConfigError(f"stride {stride} is longer than the shortest window ({min(lengths)}); "
-                              "use a smaller --stride")
+        if stride >= min(lengths) - int(bos):  # each window's first scored token needs context inside it
+            raise ConfigError(f"stride {stride} must be smaller than the shortest window ({min(lengths)} tokens"
+                              f"{', BOS included' if bos else ''}); use a smaller --stride, e.g. 256")
 
 
 # ----------------------------------------------------------------------------------------------- one call does it all

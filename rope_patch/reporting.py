@@ -83,12 +83,13 @@ def _cell_text(row: Mapping[str, Any]) -> str:
     return f"{value:.3g}" if value >= 1000 else f"{value:.2f}"
 
 
-def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    path = _prepare(path)
+def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path, fields: Sequence[str] = SUMMARY_FIELDS) -> Path:
+    """One row per summary entry, in the given column order."""
+    path = prepare_path(path)
     with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=list(fields))
         writer.writeheader()
-        writer.writerows({k: row[k] for k in SUMMARY_FIELDS} for row in rows)
+        writer.writerows({k: row[k] for k in fields} for row in rows)
     return path
 
 
@@ -96,7 +97,7 @@ def write_json(
     rows: Sequence[Mapping[str, Any]], path: str | Path, *, settings: Mapping[str, Any] | None = None
 ) -> Path:
     """The run's settings (model, data, dtype, protocol, ...) and the summary rows."""
-    path = _prepare(path)
+    path = prepare_path(path)
     first = rows[0] if rows else {"protocol": None, "stride": None, "bos": False}
     summary = {"task": "perplexity", "protocol": protocol_text(first["protocol"], first["stride"], first["bos"]),
                "settings": dict(settings or {}), "rows": [dict(r) for r in rows]}
@@ -115,7 +116,7 @@ def position_loss(records: Sequence[Mapping[str, Any]], method: str, length: int
     return centres[keep], nll[keep] / tokens[keep]
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,7 +128,7 @@ def _pyplot():
 def plot_perplexity(rows: Sequence[Mapping[str, Any]], path: str | Path, *, native_length: int | None = None,
                     title: str = "") -> Path:
     """Perplexity against length (log-scaled axes), one line per method with its 95 % band, native length marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in dict.fromkeys(r["method"] for r in rows):
         cell = [r for r in rows if r["method"] == method and r["status"] == "ok"]
@@ -154,13 +155,13 @@ def plot_perplexity(rows: Sequence[Mapping[str, Any]], path: str | Path, *, nati
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_position_loss(records: Sequence[Mapping[str, Any]], length: int, path: str | Path, *,
                        native_length: int | None = None, title: str = "") -> Path:
     """Mean loss by token position at one length, one line per method: shows where an unpatched model breaks."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in dict.fromkeys(r["method"] for r in records if r["length"] == length):
         x, y = position_loss(records, method, length)
@@ -172,7 +173,7 @@ def plot_position_loss(records: Sequence[Mapping[str, Any]], length: int, path: 
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]], output_dir: str | Path, *,
@@ -191,15 +192,15 @@ def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[s
     return files
 
 
-def _prepare(path: str | Path) -> Path:
+def prepare_path(path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def _save(fig, path: str | Path) -> Path:
-    path = _prepare(path)
+def save_figure(fig, path: str | Path) -> Path:
+    path = prepare_path(path)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path

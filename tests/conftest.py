@@ -63,3 +63,20 @@ def family_config(family: str, **overrides):
     kwargs.update(FAMILY_EXTRAS[family])
     kwargs.update(overrides)
     return AutoConfig.for_model(family, **kwargs)
+
+
+def char_tokenizer(add_bos: bool = False):
+    """A fast tokenizer with one token per character (printable ASCII, newline, tab: ids 4..100 fit vocab 128),
+    <pad> 0, <s> 1, </s> 2, <unk> 3; ``add_bos`` makes it prepend <s> as Llama's tokenizer does. No download."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")

@@ -18,17 +18,7 @@ from rope_patch.data import (
 )
 from rope_patch.errors import DataError
 
-
-def char_tokenizer():
-    """A character-level fast tokenizer (ids below 128, so it fits the tiny test models): no download needed."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(i) for i in range(32, 127)] + ["\n", "\t"]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(chars)}}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
+from conftest import char_tokenizer
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import build_model, tiny_llama_config
-from test_data import char_tokenizer
+from conftest import build_model, char_tokenizer, tiny_llama_config
 
 from rope_patch.cli import main
 from rope_patch.data import TokenizedDocument
@@ -291,6 +290,7 @@ def test_cli_prints_the_table(tiny_folder, tmp_path, capsys):
     (["--lengths", "4096"], "no document has the 4,096 tokens needed"),
     (["--method", "yran:factor=2"], "yran"),
     (["--protocol", "sliding", "--stride", "500"], "stride 500"),
+    (["--protocol", "sliding", "--stride", "64"], "stride 64 must be smaller"),  # disjoint windows: no context
     (["--config", "{corpus}/../bad.yaml"], "not valid YAML"),
     (["--config", "{corpus}/../unknown.yaml"], "unknown option 'lenghts'"),
 ])
@@ -302,20 +302,6 @@ def test_bad_input_gets_one_clear_line_and_exit_code_2(tiny_folder, tmp_path, ca
     code, err = run_cli(*base, *[a.format(corpus=corpus) for a in argv], capsys=capsys)
     last = err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("rope-patch eval: error:") and message in last and "Traceback" not in err
-
-
-def test_every_eval_config_loads():
-    from rope_patch.cli import build_parser
-    from rope_patch.cli.common import load_config
-
-    parser = build_parser()
-    sub = parser._subparsers._group_actions[0].choices["eval"]
-    configs = sorted((REPO / "configs" / "eval").glob("*.yaml"))
-    assert configs
-    for path in configs:
-        assert path.read_text().startswith("# rope-patch eval --config")
-        values = load_config(path, sub)
-        assert values["method"] and values["lengths"]
 
 
 def test_command_line_flags_override_the_config(tmp_path):

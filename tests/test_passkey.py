@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import csv
 import json
-import string
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import build_model, tiny_llama_config
+from conftest import char_tokenizer as make_char_tokenizer
 
 import rope_patch
 from rope_patch import passkey as pk
@@ -30,17 +30,7 @@ BOS = 1
 
 @pytest.fixture(scope="module")
 def char_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": BOS, "</s>": 2}
-    for char in string.printable[:-5]:  # no tabs or newlines
-        vocab[char] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return make_char_tokenizer(add_bos=True)  # passkey prompts start with BOS when the tokenizer adds one
 
 
 @pytest.fixture
