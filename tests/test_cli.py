@@ -69,14 +69,16 @@ def test_inspect_of_a_saved_patched_model_reports_its_scaling(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["inspect", "--method", "yarnn:factor=2"], "unknown method 'yarnn'"),
-        (["inspect", "--method", "linear:factor=-1"], "must be a positive number"),
+        (["inspect", "TINY", "--method", "yarnn:factor=2"], "unknown method 'yarnn'"),
+        (["inspect", "TINY", "--method", "linear:factor=-1"], "must be a positive number"),
+        (["inspect", "TINY", "--method", "longrope:factor=2,short_factor=[1],long_factor=[1]"], "8 rotary pairs"),
         (["inspect", "./does/not/exist"], "does not exist"),
         (["inspect", "--config", "no_such.yaml"], "does not exist"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(argv, message, capsys):
-    assert main(argv) == 2
+def test_bad_input_exits_2_with_one_line(argv, message, capsys, tiny_folder):
+    capsys.readouterr()
+    assert main([str(tiny_folder) if a == "TINY" else a for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 

@@ -54,6 +54,17 @@ def float_list(text: str) -> list[float]:
     return values
 
 
+def add_model_and_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and the repeatable ``--method`` that every evaluating verb takes."""
+    from ..patching import AS_LOADED
+
+    parser.add_argument("--model", default=None,
+                        help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--method", metavar="SPEC", action=OverridableAppend, default=[AS_LOADED],
+                        help="method NAME[:key=value,...]; repeat for several. 'as-loaded' evaluates the model as it "
+                        "was loaded, with the scaling a rope_patch checkpoint carries (default: as-loaded)")
+
+
 def add_config_argument(parser: argparse.ArgumentParser, example: str) -> None:
     parser.add_argument(
         "--config",

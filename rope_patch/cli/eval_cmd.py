@@ -8,7 +8,7 @@ from ..errors import ConfigError
 from ..methods import available_methods
 from ..patching import AS_LOADED
 from ..perplexity import run_eval
-from .common import OverridableAppend, add_config_argument, int_list
+from .common import add_config_argument, add_model_and_method_arguments, int_list
 
 
 def register(subparsers) -> None:
@@ -25,11 +25,7 @@ def register(subparsers) -> None:
         epilog=f"methods: {', '.join(available_methods())}, {AS_LOADED}\n"
         "example: rope-patch eval --method none --method yarn:factor=2 --lengths 4096,8192,16k --documents 4",
     )
-    parser.add_argument("--model", default=None,
-                        help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--method", metavar="SPEC", action=OverridableAppend, default=[AS_LOADED],
-                        help="method NAME[:key=value,...]; repeat for several. 'as-loaded' scores the model as it "
-                        "was loaded, with the scaling a rope_patch checkpoint carries (default: as-loaded)")
+    add_model_and_method_arguments(parser)
     parser.add_argument("--lengths", default=[4096, 8192, 16384],
                         help="window lengths in tokens, e.g. 4096,8192,16k (default: 4096,8192,16384)")
     parser.add_argument("--dataset", default=None,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..methods import available_methods
 from ..patching import AS_LOADED, method_entries
-from .common import OverridableAppend, add_config_argument, float_list, int_list
+from .common import add_config_argument, add_model_and_method_arguments, float_list, int_list
 
 
 def register(subparsers) -> None:
@@ -22,11 +22,7 @@ def register(subparsers) -> None:
         epilog=f"methods: {', '.join(available_methods())}, {AS_LOADED}\n"
         "example: rope-patch passkey --method none --method yarn:factor=2 --lengths 4096,8192,16k --trials 5",
     )
-    parser.add_argument("--model", default=None,
-                        help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--method", metavar="SPEC", action=OverridableAppend, default=[AS_LOADED],
-                        help="method NAME[:key=value,...]; repeat for several. 'as-loaded' tests the model as it "
-                        "was loaded, with the scaling a rope_patch checkpoint carries (default: as-loaded)")
+    add_model_and_method_arguments(parser)
     parser.add_argument("--lengths", default=[4096, 8192, 16384],
                         help="prompt lengths in tokens, e.g. 4096,8192,16k (default: 4096,8192,16384)")
     parser.add_argument("--depths", default=[0.0, 0.25, 0.5, 0.75, 1.0],
