@@ -359,17 +359,17 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
         config_snapshots={id(m.config): (m.config, _snapshot_config(m.config)) for _, m in modules},
         generate_snapshot=None,
     )
-    for name, module in modules:
+    for _, module in modules:
         mine = [t for t in targets if t.module is module]
         if isinstance(module.rope_type, dict):  # per layer type: only the patched types stop their own dynamics
             module.rope_type = {**module.rope_type, **{t.layer_type: "default" for t in mine}}
         else:
             module.rope_type = "default"
         _install_forward(module, mine, state, spec.length_dependent)
-    native = all(
+    native = all([  # a list, not a generator: every config is written
         _write_config(config, [t for t in targets if t.module.config is config], method, params, snapshot)
         for config, snapshot in state.config_snapshots.values()
-    )
+    ])
     state.generate_snapshot = _install_generate(model)
     setattr(model, STATE_ATTR, state)
 
