@@ -89,7 +89,7 @@ STATIC_PARAMS = {"linear": {"factor": 3}, "ntk": {"factor": 3}, "base": {"rope_t
 
 
 @pytest.mark.parametrize("method", STATIC)
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_neox"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_static_methods_depend_on_relative_position_only(family, method):
     model = build_model(family_config(family))
     rope_patch.patch(model, method, **STATIC_PARAMS.get(method, {}))
@@ -118,16 +118,19 @@ def test_unpatch_restores_exactly(family):
     assert rope_patch.unpatch(model) is False
 
 
-def test_patching_again_replaces_never_compounds(tiny_llama):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patching_again_replaces_never_compounds(family):
+    model = build_model(family_config(family))
     ids = token_ids()
-    rope_patch.patch(tiny_llama, "linear", factor=2)
-    once = logits(tiny_llama, ids)
-    rope_patch.patch(tiny_llama, "linear", factor=2)
-    torch.testing.assert_close(logits(tiny_llama, ids), once, atol=0, rtol=0)
-    rope_patch.patch(tiny_llama, "yarn", factor=4)
-    rope_patch.patch(tiny_llama, "linear", factor=2)
-    torch.testing.assert_close(logits(tiny_llama, ids), once, atol=0, rtol=0)
-    assert tiny_llama.config.rope_parameters == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    rope_patch.patch(model, "linear", factor=2)
+    once = logits(model, ids)
+    rope_patch_parameters = copy.deepcopy(model.config.rope_parameters)
+    rope_patch.patch(model, "linear", factor=2)
+    torch.testing.assert_close(logits(model, ids), once, atol=0, rtol=0)
+    rope_patch.patch(model, "yarn", factor=4)
+    rope_patch.patch(model, "linear", factor=2)
+    torch.testing.assert_close(logits(model, ids), once, atol=0, rtol=0)
+    assert model.config.rope_parameters == rope_patch_parameters
 
 
 def test_patched_context_manager_restores_previous_patch(tiny_llama):
@@ -201,13 +204,31 @@ def test_frequencies_stay_fp32_after_half_precision_cast(tiny_llama, dtype):
     assert (degraded[0].float() - cos_fp32(inv_freq)).abs().max() > 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_keeps_fp32_frequencies_after_a_cast(family, dtype):
+    model = build_model(family_config(family))
+    report = rope_patch.patch(model, "linear", factor=2)
+    model.to(dtype)
+    logits(model, token_ids(NATIVE))
+    module = rotary(model)
+    buffer = f"{report.layer_types[0]}_inv_freq" if report.layer_types[0] else "inv_freq"
+    theta = report.rope_theta
+    expected = 1.0 / (theta ** (torch.arange(0, report.rotary_dim, 2, dtype=torch.int64).float() / report.rotary_dim)) / 2
+    assert module._buffers[buffer].dtype == torch.float32
+    torch.testing.assert_close(module._buffers[buffer], expected, atol=0, rtol=0)
+
+
 NATIVE_METHODS = {"none": {}, "linear": {"factor": 2}, "ntk": {"factor": 2}, "base": {"rope_theta": 40000.0},
                   "dynamic_ntk": {"factor": 2}, "ntk_by_parts": {"factor": 2}, "yarn": {"factor": 2},
                   "llama3": {"factor": 2}}
 
 
-@pytest.mark.parametrize("method", NATIVE_METHODS)
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3", "gpt_neox"])
+SAVE_CASES = [("llama", m) for m in NATIVE_METHODS] + [
+    (f, m) for f in FAMILIES if f != "llama" for m in ("linear", "ntk", "dynamic_ntk", "yarn")]
+
+
+@pytest.mark.parametrize("family, method", SAVE_CASES)
 def test_save_then_plain_transformers_reload_gives_identical_logits(tmp_path, family, method):
     if family == "phi3" and method not in ("none", "ntk", "base"):
         pytest.skip("transformers' Phi3Config accepts only default and longrope RoPE: see the test below")
