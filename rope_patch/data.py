@@ -122,9 +122,12 @@ def _load_hub(name: str, split: str, text_field: str, subset: str | None) -> lis
 
 def _datasets_load(path: str, label: str, *args, split: str = "train", **kwargs):
     import datasets
+    from huggingface_hub.utils import logging as hub_logging
 
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating train split" for every local file is noise here
+    hub_level = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # a failed request is reported once, by the DataError below
     try:
         return datasets.load_dataset(path, *args, split=split, **kwargs)
     except (FileNotFoundError, ConnectionError) as error:
@@ -135,6 +138,7 @@ def _datasets_load(path: str, label: str, *args, split: str = "train", **kwargs)
     except ValueError as error:  # e.g. an unknown split or configuration name
         raise DataError(f"cannot load data set {label!r}: {str(error).splitlines()[0]}") from None
     finally:
+        hub_logging.set_verbosity(hub_level)
         if shown:
             datasets.enable_progress_bars()
 

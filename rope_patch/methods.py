@@ -391,7 +391,8 @@ def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[
         if key in given:
             params[key] = _coerce(name, key, param, given[key])
         elif param.default is REQUIRED:
-            raise InvalidParameterError(f"{name}: missing parameter {key} ({param.help}); e.g. {name}:{key}=2")
+            example = f"[{','.join(['1.0'] * 3)},...] ({base.dim // 2} values)" if param.kind == "floats" else "2"
+            raise InvalidParameterError(f"{name}: missing parameter {key} ({param.help}); e.g. {name}:{key}={example}")
         else:
             params[key] = param.default(base) if callable(param.default) else param.default
     if method.check:

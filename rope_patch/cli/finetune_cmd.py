@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import typing
 
+from ..errors import RopePatchError
 from ..methods import available_methods
 from .common import add_config_argument, int_list
 
@@ -17,7 +18,10 @@ LIST_OPTIONS = ("lora_targets", "exclude_documents")  # comma-separated
 
 
 def _one_length(text: str) -> int:
-    values = int_list(text)
+    try:
+        values = int_list(text)
+    except RopePatchError as error:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(error)) from None
     if len(values) != 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give one length, e.g. 16384 or 16k")
     return values[0]
