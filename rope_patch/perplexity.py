@@ -175,7 +175,8 @@ def evaluate(
     bin. Each method is patched in once (``rope_patch.patched``) and removed afterwards. Records already in ``store``
     (same ``setup``) are reused, new ones appended the moment a document is finished. With an ``accelerator`` of
     several processes the windows are dealt round-robin and gathered; sums are taken in window order on the main
-    process, so the numbers equal a single process's. Out of memory at one length is reported and the run goes on.
+    process, so the numbers equal a single process's. Out of memory halves the batch and retries the unfinished
+    documents; at one window per forward it is reported for that length and the run goes on.
     """
     from .patching import applied, fixed_length, method_entries
 
@@ -213,17 +214,29 @@ def evaluate(
                         store.append(record)
 
                 bar.set_postfix_str(f"{label} @ {length}")
-                tokens_before = bar.n
-                try:
-                    with fixed_length(model, length):
-                        _score_length(model, documents, windows, length, bos_id, batch_size, loss_chunk,
-                                      accelerator, device, bar, finish)
-                except _LengthFailed as error:
-                    failures.append(EvalFailure(label, length, str(error)))
-                    bar.update(tokens_before + len(windows) * length - bar.n)
-                    if is_main:
-                        tqdm.write(f"rope-patch eval: {label} at {length} tokens failed: {error}; "
-                                   "continuing with the rest", file=sys.stderr)
+                tokens_before, size = bar.n, batch_size
+                while True:
+                    pending = [w for w in windows
+                               if record_key(identity(label, length, documents[w.document])) not in finished]
+                    bar.n = tokens_before + (len(windows) - len(pending)) * length  # unfinished documents restart
+                    try:
+                        with fixed_length(model, length):
+                            _score_length(model, documents, pending, length, bos_id, size, loss_chunk,
+                                          accelerator, device, bar, finish)
+                        break
+                    except _LengthFailed as error:
+                        if size > 1:  # out of memory: the windows may fit in smaller batches
+                            size //= 2
+                            if is_main:
+                                tqdm.write(f"rope-patch eval: {label} at {length} tokens ran out of memory; "
+                                           f"retrying with {size} window(s) per forward", file=sys.stderr)
+                            continue
+                        failures.append(EvalFailure(label, length, str(error)))
+                        bar.update(tokens_before + len(windows) * length - bar.n)
+                        if is_main:
+                            tqdm.write(f"rope-patch eval: {label} at {length} tokens failed: {error}; "
+                                       "continuing with the rest", file=sys.stderr)
+                        break
     bar.close()
     keys = [record_key(identity(label, length, doc)) for label, _, _ in entries for length in lengths for doc in documents]
     return [finished[k] for k in keys if k in finished], failures

@@ -233,6 +233,30 @@ def test_out_of_memory_at_one_length_is_reported_and_the_run_goes_on(tiny_llama,
     assert "continuing" in capsys.readouterr().err
 
 
+def test_out_of_memory_halves_the_batch_and_gives_the_same_numbers(tiny_llama, capsys):
+    documents = random_documents(70, 80, 90)
+    expected, _ = evaluate(tiny_llama, documents, ["none"], [32, 64], protocol="sliding", stride=16, progress=False)
+    decoder = tiny_llama.get_decoder()
+    original = decoder.forward
+    seen = []
+
+    def forward(*args, **kwargs):
+        seen.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[0] > 1 and kwargs["input_ids"].shape[1] == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        return original(*args, **kwargs)
+
+    decoder.forward = forward
+    records, failures = evaluate(tiny_llama, documents, ["none"], [32, 64], protocol="sliding", stride=16,
+                                 batch_size=4, progress=False)
+    assert failures == [] and {4, 2, 1} <= set(seen)
+    assert "retrying with 2 window(s)" in capsys.readouterr().err
+    assert [(r["length"], r["document"], r["tokens"]) for r in records] == [
+        (r["length"], r["document"], r["tokens"]) for r in expected]
+    for got, want in zip(records, expected):
+        assert got["nll"] == pytest.approx(want["nll"], rel=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------- the command line
 
 
