@@ -38,7 +38,7 @@ from .results import ResultStore
 PROTOCOLS = ("truncate", "sliding")
 KEY_FIELDS = ("setup", "method", "length", "protocol", "stride", "document")
 POSITION_BINS = 128  # the loss-by-position curve keeps this many bins per length
-OOM_HINT = "try a smaller --batch-size, --dtype bf16, or fewer/shorter --lengths"
+OOM_HINT = "try --dtype bf16, fewer or shorter --lengths, or more GPUs (accelerate launch)"
 
 
 # ----------------------------------------------------------------------------------------------- pure maths
