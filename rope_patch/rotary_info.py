@@ -17,7 +17,7 @@ from torch import nn
 
 from .methods import compute_frequencies, method_label, resolve_params
 from .methods import RopeBase
-from .patching import CONFIG_KEY, _default_layer_types, current_patch, find_rotary_modules, native_length
+from .patching import CONFIG_KEY, _default_layer_types, _original_base, current_patch, find_rotary_modules
 
 
 @dataclass
@@ -64,15 +64,15 @@ def describe_rotary(model: nn.Module) -> RotaryInfo:
     else:
         extra = {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta", "partial_rotary_factor")}
         scaling = params.get("rope_type", "default") + (f" {extra}" if extra else "")
-    theta = model._rope_patch_state.targets[0].base.rope_theta if applied else float(params["rope_theta"])
+    base = _original_base(model, module, layer_type, rotary_dim)  # the unscaled RoPE, whatever is applied
     return RotaryInfo(
         model_type=f"{type(model).__name__} ({config.model_type})",
         rotary_class=f"{name}: {type(module).__name__}",
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         pairing=pairing_convention(model),
-        rope_theta=theta,
-        native_length=native_length(model),
+        rope_theta=base.rope_theta,
+        native_length=base.native_length,
         scaling=scaling,
         layer_type=layer_type,
     )

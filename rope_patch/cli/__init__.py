@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import RopePatchError
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         verb = next((a for a in (argv if argv is not None else sys.argv[1:]) if a in VERBS), "")
         print(f"rope-patch{' ' + verb if verb else ''}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("rope-patch: interrupted; finished results are saved: rerun the same command to resume.", file=sys.stderr)
         return 130
