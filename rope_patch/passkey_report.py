@@ -26,28 +26,32 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     ]
 
 
-def pooled(records: Sequence[dict], by: str = "length") -> dict[str, dict[float, tuple[int, int]]]:
-    """``{method: {value: (correct, trials)}}`` per value of ``by`` ("length" or "depth"), pooling the other."""
-    table: dict[str, dict[float, list[int]]] = {}
+def pooled(records: Sequence[dict], by: str | tuple[str, ...] = "length") -> dict[str, dict]:
+    """``{method: {value: (correct, trials)}}`` per value of ``by`` ("length" or "depth"), pooling the other; with a
+    tuple of fields, per tuple of values."""
+    table: dict[str, dict] = {}
     for r in records:
-        cell = table.setdefault(r["method"], {}).setdefault(r[by], [0, 0])
+        key = r[by] if isinstance(by, str) else tuple(r[f] for f in by)
+        cell = table.setdefault(r["method"], {}).setdefault(key, [0, 0])
         cell[0] += bool(r["correct"])
         cell[1] += 1
     return {m: {v: (c, t) for v, (c, t) in sorted(row.items())} for m, row in table.items()}
 
 
-def format_table(records: Sequence[dict], *, by: str = "length") -> str:
-    """Accuracy as ``correct/trials`` with one row per length (or per depth, pooled over lengths) and one column
-    per method, so a long grid of lengths stays narrow."""
-    table = pooled(records, by)
-    values = sorted({r[by] for r in records})
+def format_table(records: Sequence[dict], *, by: str | tuple[str, ...] = "length") -> str:
+    """Accuracy as ``correct/trials``, one column per method and one row per length, per depth (pooled over
+    lengths) or per length × depth, so a long grid stays narrow."""
+    fields = (by,) if isinstance(by, str) else tuple(by)
+    table = pooled(records, fields)  # keyed by tuples
+    keys = sorted({tuple(r[f] for f in fields) for r in records})
+    names = [" @ ".join(f"{v:,}" if f == "length" else f"{v:g}" for f, v in zip(fields, key)) for key in keys]
+    first = max([len(" × ".join(fields)), *map(len, names)]) + 2
     widths = [max(len(m), 10) + 2 for m in table]
-    first = "length" if by == "length" else "depth"
-    lines = [first.ljust(8) + "".join(m.rjust(w) for m, w in zip(table, widths))]
+    lines = [" × ".join(fields).ljust(first) + "".join(m.rjust(w) for m, w in zip(table, widths))]
     lines.append("-" * len(lines[0]))
-    for v in values:
-        name = f"{v:,}" if by == "length" else f"{v:g}"
-        lines.append(name.ljust(8) + "".join(_accuracy_text(row.get(v)).rjust(w) for row, w in zip(table.values(), widths)))
+    for key, name in zip(keys, names):
+        lines.append(name.ljust(first) + "".join(_accuracy_text(row.get(key)).rjust(w)
+                                                 for row, w in zip(table.values(), widths)))
     return "\n".join(lines)
 
 

@@ -212,6 +212,9 @@ def test_reports_count_correct_answers_per_cell_and_length(tmp_path):
     assert table[2].split() == ["100", "2/3", "67%", "3/3", "100%"] and table[3].split() == ["200", "0/3", "0%", "2/3", "67%"]
     by_depth = format_table(records, by="depth").splitlines()
     assert by_depth[0].split()[0] == "depth" and by_depth[4].split() == ["1", "0/2", "0%", "1/2", "50%"]
+    by_cell = format_table(records, by=("length", "depth")).splitlines()
+    assert by_cell[0].split()[:3] == ["length", "×", "depth"] and len(by_cell) == 2 + 6
+    assert by_cell[2].split() == ["100", "@", "0", "1/1", "100%", "1/1", "100%"]
 
     files = write_reports(records, tmp_path, settings={"seed": 0}, native_length=150)
     with open(files["csv"]) as f:

@@ -66,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"\npasskey accuracy (correct/trials), {model_name}, native length {settings['native_length']:,}")
     print(format_table(records))
     if len(depths) > 1:
-        print("\nby key depth (0 = start of the filler), all lengths pooled; per cell: summary.csv, heatmaps.png")
+        print("\nby key depth (0 = start of the filler), all lengths pooled")
         print(format_table(records, by="depth"))
+        print("\nby length and key depth (also in summary.csv and heatmaps.png)")
+        print(format_table(records, by=("length", "depth")))
     files = write_reports(records, output, settings=settings, native_length=settings["native_length"])
     print(f"\nresults: {output / 'results.jsonl'}; summaries and plots: {', '.join(str(p) for p in files.values())}")
     return 0
