@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataError
-from .models import cache_dir
+from .models import cache_dir, quiet_hub_requests
 
 DEFAULT_CORPUS = "stdlib"
 STDLIB_MODULES = 16  # the largest modules of the standard library join the prose document as code
@@ -122,14 +122,12 @@ def _load_hub(name: str, split: str, text_field: str, subset: str | None) -> lis
 
 def _datasets_load(path: str, label: str, *args, split: str = "train", **kwargs):
     import datasets
-    from huggingface_hub.utils import logging as hub_logging
 
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating train split" for every local file is noise here
-    hub_level = hub_logging.get_verbosity()
-    hub_logging.set_verbosity_error()  # a failed request is reported once, by the DataError below
     try:
-        return datasets.load_dataset(path, *args, split=split, **kwargs)
+        with quiet_hub_requests():  # a failed request is reported once, by the DataError below
+            return datasets.load_dataset(path, *args, split=split, **kwargs)
     except (FileNotFoundError, ConnectionError) as error:
         raise DataError(
             f"cannot load data set {label!r} ({type(error).__name__}): check the name, or give a local "
@@ -138,7 +136,6 @@ def _datasets_load(path: str, label: str, *args, split: str = "train", **kwargs)
     except ValueError as error:  # e.g. an unknown split or configuration name
         raise DataError(f"cannot load data set {label!r}: {str(error).splitlines()[0]}") from None
     finally:
-        hub_logging.set_verbosity(hub_level)
         if shown:
             datasets.enable_progress_bars()
 

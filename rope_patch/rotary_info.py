@@ -134,12 +134,13 @@ def load_structure(name_or_path=None) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .errors import ModelNotFoundError
-    from .models import model_path
+    from .models import model_path, quiet_hub_requests
     from .patching import restore_saved_patch
 
     path = model_path(name_or_path)
     try:
-        config = AutoConfig.from_pretrained(path)
+        with quiet_hub_requests():
+            config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise ModelNotFoundError(
             f"cannot load model config {str(path)!r}: {str(error).splitlines()[0]} "
