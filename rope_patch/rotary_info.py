@@ -78,14 +78,17 @@ def describe_rotary(model: nn.Module) -> RotaryInfo:
     )
 
 
-def frequency_table(info: RotaryInfo, method: str | None = None, params: dict | None = None) -> list[dict]:
-    """Per pair: wavelength and turns within the native window, before and (with a method) after."""
+def frequency_table(
+    info: RotaryInfo, method: str | None = None, params: dict | None = None
+) -> tuple[list[dict], float | None]:
+    """Per pair: wavelength and turns within the native window, before and (with a method) after; and the method's
+    attention factor (None without a method)."""
     base = RopeBase(info.rope_theta, info.rotary_dim, info.native_length)
     before, _ = compute_frequencies("none", base, {})
-    after = None
+    after, attention_factor = None, None
     if method:
         resolved = resolve_params(method, base, params or {})
-        after, _ = compute_frequencies(method, base, resolved, seq_len=None)
+        after, attention_factor = compute_frequencies(method, base, resolved, seq_len=None)
     rows = []
     for i, theta in enumerate(before.tolist()):
         row = {"pair": i, "wavelength": 2 * math.pi / theta, "turns": info.native_length * theta / (2 * math.pi)}
@@ -94,7 +97,7 @@ def frequency_table(info: RotaryInfo, method: str | None = None, params: dict | 
             row.update({"wavelength_after": 2 * math.pi / new, "turns_after": info.native_length * new / (2 * math.pi),
                         "scale": theta / new})
         rows.append(row)
-    return rows
+    return rows, None if attention_factor is None else float(attention_factor)
 
 
 def format_report(info: RotaryInfo, rows: list[dict], method: str | None = None, params: dict | None = None,
@@ -150,9 +153,3 @@ def load_structure(name_or_path=None) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config)
     restore_saved_patch(model)
     return model
-
-
-def attention_factor_of(info: RotaryInfo, method: str, params: dict) -> float:
-    base = RopeBase(info.rope_theta, info.rotary_dim, info.native_length)
-    _, factor = compute_frequencies(method, base, resolve_params(method, base, params), seq_len=None)
-    return float(factor)

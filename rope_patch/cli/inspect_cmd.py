@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..methods import available_methods, parse_method_spec
-from ..rotary_info import attention_factor_of, describe_rotary, format_report, frequency_table, load_structure
+from ..rotary_info import describe_rotary, format_report, frequency_table, load_structure
 from .common import add_config_argument
 
 
@@ -32,7 +32,6 @@ def run(args: argparse.Namespace) -> int:
     method, params = parse_method_spec(args.method) if args.method else (None, {})
     model = load_structure(args.model)
     info = describe_rotary(model)
-    rows = frequency_table(info, method, params)
-    factor = attention_factor_of(info, method, params) if method else None
+    rows, factor = frequency_table(info, method, params)
     print(format_report(info, rows, method, params, factor))
     return 0
