@@ -7,6 +7,7 @@ at long lengths; fine-tune an extended checkpoint that reloads anywhere with the
     >>> model, tokenizer = rope_patch.load_default_model()
     >>> print(rope_patch.patch(model, "yarn", factor=2))
     >>> rope_patch.unpatch(model)
+    >>> print(rope_patch.run_eval(method=["none", "yarn:factor=2"], lengths=[4096, 16384], documents=2))
 """
 
 from .errors import (
@@ -18,24 +19,28 @@ from .errors import (
     UnknownMethodError,
     UnsupportedModelError,
 )
-from .methods import Method, Param, RopeBase, available_methods, method_label, parse_method_spec, register_method
-from .models import load_default_model, load_model
-from .patching import (
-    PatchReport,
-    current_patch,
-    fixed_length,
-    from_pretrained,
-    native_length,
-    patch,
-    patched,
-    unpatch,
+from .eval.passkey import evaluate_passkey
+from .eval.perplexity import evaluate
+from .jobs import (
+    EvalConfig,
+    FinetuneConfig,
+    InspectConfig,
+    PasskeyConfig,
+    run_eval,
+    run_inspect,
+    run_passkey,
 )
+from .jobs.finetune import finetune
+from .loading import from_pretrained, load_default_model, load_model
+from .methods import Method, Param, RopeBase, available_methods, method_label, parse_method_spec, register_method
+from .patching import PatchReport, current_patch, fixed_length, native_length, patch, patched, unpatch
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "ConfigError", "DataError", "InvalidParameterError", "Method", "ModelNotFoundError", "Param", "PatchReport",
-    "RopeBase", "RopePatchError", "UnknownMethodError", "UnsupportedModelError", "available_methods", "current_patch",
+    "ConfigError", "DataError", "EvalConfig", "FinetuneConfig", "InspectConfig", "InvalidParameterError", "Method",
+    "ModelNotFoundError", "Param", "PasskeyConfig", "PatchReport", "RopeBase", "RopePatchError", "UnknownMethodError",
+    "UnsupportedModelError", "available_methods", "current_patch", "evaluate", "evaluate_passkey", "finetune",
     "fixed_length", "from_pretrained", "load_default_model", "load_model", "method_label", "native_length",
-    "parse_method_spec", "patch", "patched", "register_method", "unpatch",
+    "parse_method_spec", "patch", "patched", "register_method", "run_eval", "run_inspect", "run_passkey", "unpatch",
 ]

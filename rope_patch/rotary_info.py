@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .methods import compute_frequencies, method_label, resolve_params
-from .methods import RopeBase
-from .patching import CONFIG_KEY, _default_layer_types, _original_base, current_patch, find_rotary_modules
+from .methods import RopeBase, compute_frequencies, method_label, resolve_params
+from .patching import current_patch, primary_rotary, rotary_setup, saved_patch
 
 
 @dataclass
@@ -48,28 +47,25 @@ def pairing_convention(model: nn.Module) -> str:
 
 def describe_rotary(model: nn.Module) -> RotaryInfo:
     """The model's rotary set-up as it is now (for Gemma 3: its global layers)."""
-    name, module = find_rotary_modules(model)[0]
+    name, module, layer_type = primary_rotary(model)
     config = module.config
-    layer_type = _default_layer_types(module, config.rope_parameters)[0]
-    buffer = f"{layer_type}_inv_freq" if layer_type else "inv_freq"
-    rotary_dim = 2 * module._buffers[buffer].numel()
+    base = rotary_setup(model, module, layer_type)  # the unscaled RoPE, whatever is applied
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
     applied = current_patch(model)
-    saved = getattr(config, CONFIG_KEY, None)
+    saved = saved_patch(config)
     if applied:
         scaling = f"{applied['label']} (patched by rope_patch)"
-    elif isinstance(saved, dict):
+    elif saved is not None:
         scaling = f"{saved.get('label')} (saved by rope_patch, not applied)"
     else:
         extra = {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta", "partial_rotary_factor")}
         scaling = params.get("rope_type", "default") + (f" {extra}" if extra else "")
-    base = _original_base(model, module, layer_type, rotary_dim)  # the unscaled RoPE, whatever is applied
     return RotaryInfo(
         model_type=f"{type(model).__name__} ({config.model_type})",
         rotary_class=f"{name}: {type(module).__name__}",
         head_dim=head_dim,
-        rotary_dim=rotary_dim,
+        rotary_dim=base.dim,
         pairing=pairing_convention(model),
         rope_theta=base.rope_theta,
         native_length=base.native_length,
@@ -128,28 +124,3 @@ def format_report(info: RotaryInfo, rows: list[dict], method: str | None = None,
     lines.append(f"{below} of {len(rows)} pairs turn less than once in the native window: "
                  "they never saw all angles in training, and are the ones that break past it.")
     return "\n".join(lines)
-
-
-def load_structure(name_or_path=None) -> nn.Module:
-    """The model's modules and RoPE buffers without its weights (parameters on the meta device): inspecting a
-    70B model should not need 140 GB."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .errors import ModelNotFoundError
-    from .models import model_path, quiet_hub_requests
-    from .patching import restore_saved_patch
-
-    path = model_path(name_or_path)
-    try:
-        with quiet_hub_requests():
-            config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        raise ModelNotFoundError(
-            f"cannot load model config {str(path)!r}: {str(error).splitlines()[0]} "
-            "(give a folder with config.json or a hub id; hub downloads need network access)"
-        ) from None
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
-    restore_saved_patch(model)
-    return model

@@ -1,30 +1,22 @@
-"""Tiny random-weight models built in the test: seconds each, no downloads."""
+"""Fixtures shared by the whole suite. Helpers that take arguments (tiny configs of every family, model builders, the
+character tokenizer) are in tiny_models.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
-NATIVE = 64  # native context of the tiny models: tests go well beyond it
-
-
-def tiny_llama_config(**overrides) -> LlamaConfig:
-    kwargs = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=NATIVE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_model(config, seed: int = 0):
-    """A random-weight causal LM in fp32, eval mode, eager attention (exact and deterministic on CPU)."""
-    torch.manual_seed(seed)
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.eval()
+@pytest.fixture(autouse=True)
+def private_cache(request, tmp_path, monkeypatch):
+    """Token caches of tiny tests go to a temporary folder (slow tests keep the real cache: it holds the model)."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("ROPE_PATCH_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture
@@ -33,50 +25,21 @@ def tiny_llama():
     return build_model(tiny_llama_config())
 
 
-# One tiny config per RoPE family rope_patch supports; `rope_parameters` may be overridden to build an oracle.
-FAMILY_EXTRAS = {
-    "llama": {},
-    "mistral": {"sliding_window": None},
-    "qwen2": {},
-    "qwen3": {},
-    "gemma": {},
-    "gemma2": {"sliding_window": 32},
-    "gemma3_text": {"sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]},
-    "phi3": {},
-    "olmo": {},
-    "granite": {},
-    "starcoder2": {"sliding_window": None},
-    "gpt_neox": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
-    "phi": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
-}
-FAMILIES = list(FAMILY_EXTRAS)
+@pytest.fixture
+def char_tokenizer():
+    """The character tokenizer (one token per printable character, no BOS added)."""
+    return make_char_tokenizer()
 
 
-def family_config(family: str, **overrides):
-    from transformers import AutoConfig
-
-    kwargs = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=NATIVE, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(FAMILY_EXTRAS[family])
-    kwargs.update(overrides)
-    return AutoConfig.for_model(family, **kwargs)
-
-
-def char_tokenizer(add_bos: bool = False):
-    """A fast tokenizer with one token per character (printable ASCII, newline, tab: ids 4..100 fit vocab 128),
-    <pad> 0, <s> 1, </s> 2, <unk> 3; ``add_bos`` makes it prepend <s> as Llama's tokenizer does. No download."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(chars)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    if add_bos:
-        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
+@pytest.fixture
+def tiny_folder(tmp_path) -> tuple[Path, Path]:
+    """A saved tiny LLaMA with a character tokenizer, and a corpus folder of three documents (300, 200, 40 chars)."""
+    folder = tmp_path / "tiny"
+    build_model(tiny_llama_config()).save_pretrained(folder)
+    make_char_tokenizer().save_pretrained(folder)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    for i, n in enumerate((300, 200, 40)):
+        (corpus / f"doc{i}.txt").write_text("".join(chr(c) for c in rng.integers(32, 127, n)))
+    return folder, corpus

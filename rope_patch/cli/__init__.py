@@ -1,21 +1,21 @@
-"""The ``rope-patch`` command: one verb per job (inspect, eval, passkey, finetune).
+"""The ``rope-patch`` command: one verb per job, its options generated from the job's config dataclass.
 
-Each verb lives in its own module exposing ``register(subparsers)``, which adds a sub-parser whose
-``func`` runs the job. Bad input raises :class:`rope_patch.errors.RopePatchError`; it is printed on one
-line and the command exits with status 2, never with a traceback.
+Bad input raises :class:`rope_patch.errors.RopePatchError`; it is printed on one line and the command exits with
+status 2, never with a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
 from ..errors import RopePatchError
-from .common import parse_with_config
-
-VERBS = ("inspect", "eval", "passkey", "finetune")
+from ..jobs import JOBS, Job
+from ..jobs.options import JobConfig
+from ..eval.sweep import AS_LOADED
+from ..methods import available_methods
+from .arguments import add_config_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,21 +26,45 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'rope-patch VERB --help' for the options of each verb.",
     )
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
-    for verb in VERBS:
-        importlib.import_module(f"{__name__}.{verb}_cmd").register(subparsers)
+    for verb, job in JOBS.items():
+        sub = subparsers.add_parser(
+            verb, help=job.summary, description=job.description, formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=f"methods: {', '.join(available_methods())}, {AS_LOADED}\nexample: {job.example}",
+        )
+        add_config_arguments(sub, job.config)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> tuple[Job, JobConfig]:
+    """The verb's job and its config: the dataclass defaults, overridden by a ``--config`` YAML file, overridden by
+    the flags given."""
     parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    verb = given.pop("verb", None)
+    if verb is None:
+        parser.print_help()
+        raise SystemExit(2)
+    job = JOBS[verb]
+    options = job.config.read_yaml(given.pop("config")) if "config" in given else {}
+    options.update(given)
+    return job, job.config.from_options(**options)
+
+
+def run(argv: list[str] | None = None) -> object:
+    """Run the job ``argv`` asks for; returns its result."""
+    job, config = parse(argv)
+    return job.run(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    verb = next((a for a in args if a in JOBS), "")
     try:
-        args = parse_with_config(parser, argv)
-        if not getattr(args, "func", None):
-            parser.print_help()
-            return 2
-        return int(args.func(args) or 0)
+        result = run(argv)
+        if getattr(result, "main_process", True):  # under accelerate launch, only the main process reports
+            print(result)
+        return 0
     except RopePatchError as error:
-        verb = next((a for a in (argv if argv is not None else sys.argv[1:]) if a in VERBS), "")
         print(f"rope-patch{' ' + verb if verb else ''}: error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly

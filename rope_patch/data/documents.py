@@ -1,0 +1,138 @@
+"""Documents for long-context evaluation and fine-tuning.
+
+Sources, all read through ``datasets``:
+
+* ``None`` / ``"stdlib"``: the embedded default corpus, built from the running interpreter's standard library, so
+  it needs no download: ``pydoc_data/topics.py`` joined into one prose document and the largest modules as code.
+* a local ``.txt`` file (one document), ``.jsonl``/``.json``/``.parquet`` file (one row, one document), or a
+  folder of such files (searched recursively, in sorted order);
+* a hub data set name, with ``split``, ``text_field`` and an optional ``subset`` (configuration name).
+
+Their token ids, cached on disk, are :mod:`rope_patch.data.tokens`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+
+from ..errors import DataError
+from ..hub import quiet_hub_requests
+
+DEFAULT_CORPUS = "stdlib"
+STDLIB_MODULES = 16  # the largest modules of the standard library join the prose document as code
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Document:
+    """One text and a stable identifier (a file name, ``file:row`` or ``split:row``)."""
+
+    id: str
+    text: str
+
+
+# ----------------------------------------------------------------------------------------------- loading texts
+
+
+def load_documents(
+    source: str | os.PathLike | None = None,
+    *,
+    split: str | None = None,
+    text_field: str = "text",
+    subset: str | None = None,
+) -> list[Document]:
+    """Load documents from the default corpus, a local file or folder, or a hub data set.
+
+    ``split`` applies to hub data sets (default ``"test"``); local files have a single split. Empty texts are dropped.
+    Raises :class:`DataError` for a missing file, an unknown data set, a missing text field or an empty corpus.
+    """
+    if source in (None, "", DEFAULT_CORPUS, "default"):
+        return stdlib_corpus()
+    path = Path(source).expanduser()
+    if path.exists():
+        documents = _load_local(path, text_field)
+    elif path.suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
+        raise DataError(f"data file or folder {str(source)!r} does not exist; give a .txt/.jsonl/.parquet file, "
+                        "a folder of them, or a hub data set name")
+    else:
+        documents = _load_hub(str(source), split or "test", text_field, subset)
+    documents = [d for d in documents if d.text.strip()]
+    if not documents:
+        raise DataError(f"{str(source)!r} holds no non-empty text; check --text-field or the files")
+    return documents
+
+
+def stdlib_corpus() -> list[Document]:
+    """The embedded default corpus: pydoc's topic help as one prose document, then the largest stdlib modules."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    from pydoc_data.topics import topics
+
+    prose = "\n\n".join(f"{name}\n{'=' * len(name)}\n\n{topics[name]}" for name in sorted(topics))
+    documents = [Document("pydoc_data/topics.py", prose)]
+    modules = sorted(stdlib.glob("*.py"), key=lambda p: (-p.stat().st_size, p.name))[:STDLIB_MODULES]
+    documents += [Document(p.name, p.read_text(encoding="utf-8")) for p in modules]
+    return documents
+
+
+def _load_local(path: Path, text_field: str) -> list[Document]:
+    files = sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS) if path.is_dir() else [path]
+    if not files:
+        raise DataError(f"folder {str(path)!r} has no .txt, .jsonl, .json or .parquet files")
+    documents = []
+    for file in files:
+        builder = FILE_BUILDERS.get(file.suffix)
+        if builder is None:
+            raise DataError(f"cannot read {str(file)!r}: use a .txt, .jsonl, .json or .parquet file")
+        name = str(file.relative_to(path)) if path.is_dir() else file.name
+        if builder == "text":  # one file, one document
+            rows = _datasets_load("text", str(file), data_files=[str(file)], sample_by="document")
+        else:  # one row, one document
+            rows = _datasets_load(builder, str(file), data_files=[str(file)])
+        texts = _column(rows, "text" if builder == "text" else text_field, str(file))
+        documents += [Document(name if builder == "text" else f"{name}:{i}", t) for i, t in enumerate(texts)]
+    return documents
+
+
+def _load_hub(name: str, split: str, text_field: str, subset: str | None) -> list[Document]:
+    rows = _datasets_load(name, name, subset, split=split)
+    return [Document(f"{split}:{i}", t) for i, t in enumerate(_column(rows, text_field, name))]
+
+
+def _datasets_load(path: str, label: str, *args, split: str = "train", **kwargs):
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # "Generating train split" for every local file is noise here
+    try:
+        with quiet_hub_requests():  # a failed request is reported once, by the DataError below
+            return datasets.load_dataset(path, *args, split=split, **kwargs)
+    except (FileNotFoundError, ConnectionError) as error:
+        raise DataError(
+            f"cannot load data set {label!r} ({type(error).__name__}): check the name, or give a local "
+            ".txt/.jsonl/.parquet file or folder (hub data sets need network access or a local copy)"
+        ) from None
+    except ValueError as error:  # e.g. an unknown split or configuration name
+        raise DataError(f"cannot load data set {label!r}: {str(error).splitlines()[0]}") from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
+def _column(rows, field: str, label: str) -> list[str]:
+    if field not in rows.column_names:
+        fields = ", ".join(rows.column_names)
+        raise DataError(f"{label!r} has no field {field!r}; its fields are {fields} (use --text-field)")
+    return [t if isinstance(t, str) else "" for t in rows[field]]
+
+
+def documents_fingerprint(documents: Sequence[Document]) -> str:
+    """A hash of the documents' ids and texts: the data part of the token cache key."""
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(doc.id.encode() + b"\0" + doc.text.encode() + b"\0")
+    return digest.hexdigest()[:16]

@@ -1,0 +1,92 @@
+"""Training sequences for fine-tuning: documents joined by EOS, cut into sequences of exactly ``seq_len`` tokens.
+
+Which sequences an optimizer step trains on is a pure function of the step number and the seed: sequence positions
+``step * G ... step * G + G - 1`` (G = the global batch) in an order shuffled once per pass over the data. So the
+data position of a run is a single integer that a checkpoint stores for free, a resumed run sees exactly the
+sequences an uninterrupted one would, and splitting the global batch over more processes (or more accumulation
+micro-steps) changes nothing but who computes what.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+from .documents import load_documents
+from .tokens import TokenizedDocument, resolve_bos, select_documents, tokenize_documents
+
+
+class PackedSequences:
+    """A fixed set of ``seq_len``-token sequences, read in a seeded order that is reshuffled on every pass."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, seed: int = 0, source: str = "the documents",
+                 num_documents: int | None = None):
+        count = len(tokens) // seq_len
+        if count == 0:
+            raise DataError(f"{source}: all documents joined give {len(tokens):,} tokens, fewer than one sequence of "
+                            f"--seq-len {seq_len:,}; use a shorter --seq-len or more (or longer) documents")
+        self.sequences = np.asarray(tokens[: count * seq_len]).reshape(count, seq_len)  # (count, seq_len)
+        self.seq_len, self.seed, self.source = seq_len, seed, source
+        self.num_documents, self.num_tokens = num_documents, len(tokens)
+        self._order_epoch, self._order = -1, np.arange(0)
+
+    @classmethod
+    def from_documents(cls, documents: Sequence[TokenizedDocument], *, eos_id: int, bos_id: int | None = None,
+                       seq_len: int, seed: int = 0, source: str = "the documents") -> PackedSequences:
+        """Join ``[BOS] doc EOS [BOS] doc EOS ...`` (BOS only when the tokenizer uses one) and cut."""
+        bos = [np.array([bos_id], np.int32)] if bos_id is not None else []
+        eos = np.array([eos_id], np.int32)
+        parts = [part for doc in documents for part in (*bos, doc.ids, eos)]
+        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        return cls(tokens, seq_len, seed=seed, source=source, num_documents=len(documents))
+
+    @classmethod
+    def from_source(cls, source: str | os.PathLike | None, tokenizer, *, seq_len: int, seed: int = 0,
+                    num_documents: int | None = None, exclude: Sequence[str] = (), split: str | None = None,
+                    text_field: str = "text", subset: str | None = None) -> PackedSequences:
+        """Documents from the evaluation's sources (:func:`rope_patch.data.documents.load_documents`), tokenised with cache.
+
+        ``exclude`` names documents (by id) kept out of training, e.g. the ones a later evaluation scores.
+        """
+        if tokenizer.eos_token_id is None:
+            raise DataError("the tokenizer has no EOS token to join documents with; use a tokenizer that defines one")
+        documents = tokenize_documents(tokenizer, load_documents(source, split=split, text_field=text_field, subset=subset))
+        unknown = set(exclude) - {d.id for d in documents}
+        if unknown:
+            known = ", ".join(d.id for d in documents[:8]) + (", ..." if len(documents) > 8 else "")
+            raise DataError(f"--exclude-documents {', '.join(sorted(unknown))}: no such document (ids: {known})")
+        documents = [d for d in documents if d.id not in set(exclude)]
+        if num_documents is not None:
+            documents, _ = select_documents(documents, 1, num_documents, seed=seed)
+        return cls.from_documents(documents, eos_id=tokenizer.eos_token_id, bos_id=resolve_bos(tokenizer),
+                                  seq_len=seq_len, seed=seed, source=str(source or "the embedded corpus"))
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    def describe(self) -> str:
+        return (f"{self.source}: {self.num_documents} documents, {self.num_tokens:,} tokens -> {len(self):,} sequences "
+                f"of {self.seq_len:,} tokens")
+
+    def sequence(self, position: int) -> np.ndarray:
+        """The ``position``-th sequence of the run: pass ``position // len(self)``, shuffled with ``seed + pass``."""
+        epoch, index = divmod(position, len(self))
+        if epoch != self._order_epoch:
+            self._order_epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self))
+        return self.sequences[self._order[index]]
+
+    @staticmethod
+    def positions(step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> range:
+        """Run positions of one process's micro-batch: a step covers a block of ``batch_size * grad_accum * ranks``
+        consecutive positions, split by micro-step, then by process."""
+        start = step * batch_size * grad_accum * ranks + (micro * ranks + rank) * batch_size
+        return range(start, start + batch_size)
+
+    def batch(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
+        """The (batch_size, seq_len) int64 input ids that process ``rank`` trains on at this micro-step."""
+        rows = [self.sequence(p) for p in self.positions(step, micro, rank, ranks, batch_size, grad_accum)]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))

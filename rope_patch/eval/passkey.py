@@ -1,0 +1,219 @@
+"""Passkey retrieval: can a patched model fetch a 5-digit key from anywhere in a long prompt?
+
+Perplexity can look fine while a model cannot use what lies far back in its context, so the Position
+Interpolation, YaRN and LongLoRA papers also hide a random key in filler text and ask for it back (the
+landmark-attention prompt, Mohtashami & Jaggi 2023, arXiv:2305.16300). Lengths are counted in the model's own tokens and
+every prompt hits its length exactly: the filler is a token stream of whole repeats, cut to fit. The key of a
+cell (length, depth, trial) comes from the seed alone, so every method sees the same prompts. Decoding is
+greedy whatever the model's generation config says, and the answer is the first integer of the output.
+
+Each finished trial is appended at once to a :class:`~rope_patch.eval.store.ResultStore`, so an interrupted
+run resumes where it stopped. Reports (tables, CSV, JSON, plots) live in :mod:`rope_patch.eval.passkey_report`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import re
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+from ..data import resolve_bos
+from ..errors import ConfigError, DataError
+from .store import ResultStore, record_key
+from .sweep import MethodEntry, MethodSpec, applied, group_by, method_entries
+
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there."
+)
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+KEY_FIELDS = ("model", "method", "length", "depth", "trial", "seed")
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    """One prompt: its token ids (exactly ``length`` of them), the key, and where the needle starts."""
+
+    input_ids: list[int]
+    key: int
+    length: int
+    depth: float
+    needle_start: int  # token index of the needle sentence
+
+
+def passkey_key(seed: int, length: int, depth: float, trial: int) -> int:
+    """The random 5-digit key of one cell and trial: a function of the seed only, never of the method."""
+    return random.Random(f"passkey:{seed}:{length}:{float(depth)!r}:{trial}").randint(10000, 99999)
+
+
+def parse_answer(text: str) -> int | None:
+    """The first integer in the model's answer (``"12,345"`` counts as 12345), or ``None`` if there is none."""
+    match = re.search(r"\d+(?:,\d{3})+(?!\d)|\d+", text)
+    return int(match.group().replace(",", "")) if match else None
+
+
+class PromptBuilder:
+    """Builds passkey prompts of an exact token length in one tokenizer's tokens.
+
+    Layout: [BOS] intro | filler before | needle | filler after | question. Each filler part is the
+    TAIL of a stream of whole filler repeats, so it ends on a full sentence before the needle and the question;
+    only its first sentence may be cut. ``depth`` is the share of the filler placed before the needle. A BOS
+    starts the prompt when the tokenizer adds one by default (Llama 2: yes, SmolLM2: no), as the perplexity
+    evaluation decides it (:func:`rope_patch.data.resolve_bos`).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        bos = resolve_bos(tokenizer)
+        self.head = ([bos] if bos is not None else []) + self._encode(INTRO)
+        self.question = self._encode(QUESTION)
+        self._unit = max(1, len(self._encode(FILLER)))
+        self._stream: list[int] = []
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _filler_tail(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        if len(self._stream) < n:
+            repeats = n // self._unit + 2
+            self._stream = self._encode(FILLER * repeats)
+        return self._stream[len(self._stream) - n :]
+
+    def minimum_length(self, key: int = 99999) -> int:
+        """The prompt's length with no filler at all."""
+        return len(self.head) + len(self._encode(NEEDLE.format(key=key))) + len(self.question)
+
+    def check(self, length: int, key: int) -> int:
+        """The filler budget of a prompt, or a DataError if ``length`` cannot hold even the fixed parts."""
+        filler = length - self.minimum_length(key)
+        if filler < 0:
+            raise DataError(
+                f"passkey length {length} is too short: the prompt without filler already takes "
+                f"{length - filler} tokens; ask for at least {length - filler}"
+            )
+        return filler
+
+    def build(self, length: int, depth: float, key: int) -> PasskeyPrompt:
+        needle = self._encode(NEEDLE.format(key=key))
+        filler = self.check(length, key)
+        before = round(depth * filler)
+        ids = self.head + self._filler_tail(before) + needle + self._filler_tail(filler - before) + self.question
+        return PasskeyPrompt(ids, key, length, float(depth), needle_start=len(self.head) + before)
+
+
+def check_grid(lengths: Sequence[int], depths: Sequence[float], trials: int, max_new_tokens: int) -> None:
+    """Reject a bad grid before any model is loaded."""
+    if not lengths or any(int(n) != n or n <= 0 for n in lengths):
+        raise ConfigError(f"passkey lengths {list(lengths)!r}: give positive whole numbers of tokens, e.g. 4096,8192")
+    if not depths or any(not 0.0 <= float(d) <= 1.0 for d in depths):
+        raise ConfigError(f"passkey depths {list(depths)!r}: give fractions between 0 and 1, e.g. 0,0.5,1")
+    if int(trials) < 1:
+        raise ConfigError(f"passkey trials {trials!r}: give at least 1 trial per cell")
+    if int(max_new_tokens) < 1:
+        raise ConfigError(f"max_new_tokens {max_new_tokens!r}: generate at least 1 token (about 8 suffice for a key)")
+
+
+@contextlib.contextmanager
+def greedy_generation(model) -> Iterator[None]:
+    """Let ``generate`` fall back on plain greedy defaults while the run lasts: a model's own generation config
+    may turn on sampling, a repetition penalty or banned words, and generate fills every unset option from it."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id,
+        do_sample=False, num_beams=1,
+    )
+    try:
+        yield
+    finally:
+        model.generation_config = own
+
+
+@torch.no_grad()
+def answer(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 8) -> str:
+    """Greedy continuation of one prompt, decoded without special tokens."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([prompt.input_ids], device=device)  # [1, length]
+    with greedy_generation(model):
+        output = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens
+        )
+    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def evaluate_passkey(
+    model,
+    tokenizer,
+    methods: Sequence[MethodSpec],
+    lengths: Sequence[int],
+    depths: Sequence[float] = (0.5,),
+    trials: int = 5,
+    *,
+    seed: int = 0,
+    max_new_tokens: int = 8,
+    store: ResultStore | None = None,
+    model_name: str = "model",
+    progress: bool = True,
+) -> list[dict]:
+    """Run the passkey grid (methods × lengths × depths × trials) and return one record per trial.
+
+    Each method is patched in once and removed afterwards, so the model is loaded once (``as-loaded``: the model as
+    it is, a fine-tuned checkpoint's own scaling included). Trials already in ``store`` (same model, method, length,
+    depth, trial and seed) are skipped; new ones are appended the moment they finish. A record holds the key, the
+    decoded output, the parsed answer and ``correct``.
+    """
+    entries = method_entries(model, methods)
+    check_grid(lengths, depths, trials, max_new_tokens)
+    builder = PromptBuilder(tokenizer)
+    cells = [(int(n), float(d), t) for n in lengths for d in depths for t in range(trials)]
+    for n, depth, trial in cells:  # a too-short length fails now, not after an hour of other cells
+        builder.check(n, passkey_key(seed, n, depth, trial))
+
+    finished = store.by_key() if store is not None else {}
+    results: dict[tuple, dict] = {}
+    todo: list[tuple[MethodEntry, tuple]] = []
+    for entry in entries:
+        for cell in cells:
+            done = finished.get(record_key(_identity(model_name, entry.label, cell, seed), KEY_FIELDS))
+            if done is not None:
+                results[(entry.label, *cell)] = done
+            else:
+                todo.append((entry, cell))
+
+    bar = tqdm(total=len(todo), desc="passkey", unit="trial", disable=not progress or not todo)
+    for _, group in group_by(todo, lambda item: item[0].label):
+        with applied(model, group[0][0]):
+            for entry, (n, depth, trial) in group:
+                key = passkey_key(seed, n, depth, trial)
+                prompt = builder.build(n, depth, key)
+                start = time.perf_counter()
+                text = answer(model, tokenizer, prompt, max_new_tokens)
+                parsed = parse_answer(text)
+                record = {
+                    **_identity(model_name, entry.label, (n, depth, trial), seed),
+                    "key": key, "output": text, "answer": parsed, "correct": parsed == key,
+                    "needle_start": prompt.needle_start, "seconds": round(time.perf_counter() - start, 3),
+                }
+                if store is not None:
+                    store.append(record)
+                results[(entry.label, n, depth, trial)] = record
+                bar.update(1)
+                bar.set_postfix_str(f"{entry.label} {n} tokens: {'ok' if record['correct'] else 'miss'}")
+    bar.close()
+    return [results[(entry.label, *cell)] for entry in entries for cell in cells]
+
+
+def _identity(model_name: str, label: str, cell: tuple, seed: int) -> dict:
+    n, depth, trial = cell
+    return {"model": model_name, "method": label, "length": int(n), "depth": float(depth), "trial": int(trial),
+            "seed": int(seed)}

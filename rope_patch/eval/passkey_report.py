@@ -1,0 +1,145 @@
+"""Passkey reports: accuracy per method × length (× depth) as a terminal table, CSV, JSON and plots.
+
+Pure aggregation (:func:`summarize`, :func:`pooled`) is kept apart from writing files, so the terminal, the
+files and the plots show the same numbers. File and figure plumbing is shared with the other reports (:mod:`rope_patch.eval.plots`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from .plots import length_axis, new_figure, prepare_path, save_figure, write_csv
+
+CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy")
+
+
+def summarize(records: Sequence[dict]) -> list[dict]:
+    """One row per method × length × depth (in first-seen order): trials, correct answers and accuracy."""
+    cells: dict[tuple, list[bool]] = {}
+    for r in records:
+        cells.setdefault((r["method"], r["length"], r["depth"]), []).append(bool(r["correct"]))
+    return [
+        {"method": m, "length": n, "depth": d, "trials": len(hits), "correct": sum(hits), "accuracy": sum(hits) / len(hits)}
+        for (m, n, d), hits in cells.items()
+    ]
+
+
+def pooled(records: Sequence[dict], by: str | tuple[str, ...] = "length") -> dict[str, dict]:
+    """``{method: {value: (correct, trials)}}`` per value of ``by`` ("length" or "depth"), pooling the other; with a
+    tuple of fields, per tuple of values."""
+    table: dict[str, dict] = {}
+    for r in records:
+        key = r[by] if isinstance(by, str) else tuple(r[f] for f in by)
+        cell = table.setdefault(r["method"], {}).setdefault(key, [0, 0])
+        cell[0] += bool(r["correct"])
+        cell[1] += 1
+    return {m: {v: (c, t) for v, (c, t) in sorted(row.items())} for m, row in table.items()}
+
+
+def format_table(records: Sequence[dict], *, by: str | tuple[str, ...] = "length") -> str:
+    """Accuracy as ``correct/trials``, one column per method and one row per length, per depth (pooled over
+    lengths) or per length × depth, so a long grid stays narrow."""
+    fields = (by,) if isinstance(by, str) else tuple(by)
+    table = pooled(records, fields)  # keyed by tuples
+    keys = sorted({tuple(r[f] for f in fields) for r in records})
+    names = [" @ ".join(f"{v:,}" if f == "length" else f"{v:g}" for f, v in zip(fields, key)) for key in keys]
+    first = max([len(" × ".join(fields)), *map(len, names)]) + 2
+    widths = [max(len(m), 10) + 2 for m in table]
+    lines = [" × ".join(fields).ljust(first) + "".join(m.rjust(w) for m, w in zip(table, widths))]
+    lines.append("-" * len(lines[0]))
+    for key, name in zip(keys, names):
+        lines.append(name.ljust(first) + "".join(_accuracy_text(row.get(key)).rjust(w)
+                                                 for row, w in zip(table.values(), widths)))
+    return "\n".join(lines)
+
+
+def _accuracy_text(cell: tuple[int, int] | None) -> str:
+    if cell is None:
+        return ""
+    correct, trials = cell
+    return f"{correct}/{trials} {100 * correct / trials:3.0f}%"
+
+
+def write_json(records: Sequence[dict], path: str | Path, *, settings: dict | None = None) -> Path:
+    """The run's settings, the per-cell rows and the per-length accuracy of each method."""
+    path = prepare_path(path)
+    summary = {
+        "task": "passkey retrieval (greedy decoding, first integer of the answer)",
+        "settings": settings or {},
+        "cells": summarize(records),
+        "by_length": {m: [{"length": n, "correct": c, "trials": t, "accuracy": c / t} for n, (c, t) in row.items()]
+                      for m, row in pooled(records, "length").items()},
+    }
+    path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def _draw_heatmap(ax, records: Sequence[dict], method: str):
+    """Accuracy of one method as colour over length (x) × depth (y), each cell labelled correct/trials if few."""
+    rows = [r for r in summarize(records) if r["method"] == method]
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    grid = [[float("nan")] * len(lengths) for _ in depths]
+    for r in rows:
+        grid[depths.index(r["depth"])][lengths.index(r["length"])] = r["accuracy"]
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="lower")
+    if len(lengths) * len(depths) <= 100:
+        for r in rows:
+            ax.text(lengths.index(r["length"]), depths.index(r["depth"]), f"{r['correct']}/{r['trials']}",
+                    ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], rotation=90 if len(lengths) > 6 else 0, fontsize=8)
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_title(method, fontsize=9)
+    return image
+
+
+def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[str] | None = None) -> Path:
+    """One heatmap panel per method, side by side, sharing one colour bar."""
+    methods = list(methods or dict.fromkeys(r["method"] for r in records))
+    columns = len({r["length"] for r in records})
+    width = max(3.2, 0.9 + 0.42 * columns)
+    fig, axes = new_figure(width * len(methods) + 1, 3.4, columns=len(methods))
+    for ax, method in zip(axes, methods):
+        image = _draw_heatmap(ax, records, method)
+    axes[0].set_ylabel("key depth (0 = start)")
+    fig.colorbar(image, ax=axes, label="passkey accuracy", fraction=0.04)
+    return save_figure(fig, path)
+
+
+def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native_length: int | None = None) -> Path:
+    """Accuracy (pooled over depths) against length, one line per method; markers shrink method by method so
+    methods with equal accuracy stay visible on top of each other."""
+    fig, (ax,) = new_figure(6.5, 4)
+    for i, (method, row) in enumerate(pooled(records, "length").items()):
+        ax.plot(list(row), [c / t for c, t in row.values()], marker="osD^vP*X"[i % 8], fillstyle="none",
+                markersize=max(4, 13 - 2.5 * i), markeredgewidth=1.5, linewidth=1.2, label=method)
+    length_axis(ax, [r["length"] for r in records], native_length=native_length, label="prompt length (tokens)")
+    ax.set_ylabel("passkey accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def _file_stem(method: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in method.replace(":", "_").replace("=", "")).strip("_")
+
+
+def write_reports(records: Sequence[dict], output_dir: str | Path, *, settings: dict | None = None,
+                  native_length: int | None = None) -> dict[str, Path]:
+    """Write summary.csv, summary.json, accuracy_vs_length.png, a heatmap per method and heatmaps.png (all of them)
+    into ``output_dir``."""
+    out = Path(output_dir)
+    files = {
+        "csv": write_csv(summarize(records), out / "summary.csv", CELL_FIELDS),
+        "json": write_json(records, out / "summary.json", settings=settings),
+        "plot": plot_accuracy_vs_length(records, out / "accuracy_vs_length.png", native_length=native_length),
+    }
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    files["heatmaps"] = plot_heatmaps(records, out / "heatmaps.png", methods)
+    for method in methods:
+        files[f"heatmap {method}"] = plot_heatmaps(records, out / f"heatmap_{_file_stem(method)}.png", [method])
+    return files

@@ -1,0 +1,365 @@
+"""Long-context perplexity: many methods × many lengths on one loaded model, every method on the same windows.
+
+Protocols (named in every record and output):
+
+* ``truncate``: each document is cut to its first L tokens and scored in one forward (the YaRN and PI Proof-pile
+  runs);
+* ``sliding``: windows of L tokens advance by ``stride``; each token is scored once, by the first window that ends at
+  or after it, so it sees between L − stride and L − 1 tokens of context (the PI paper's S = 256). Every window is
+  exactly L tokens long: the last one ends at the document's end.
+
+BOS is explicit: with a BOS id every window is ``[BOS] + L − 1 document tokens`` and all of them are scored;
+without, the window is L document tokens and its first token, having no context, is not scored.
+
+Perplexity is token-weighted, exp(Σ NLL / Σ scored tokens), never a mean of window means. The loss goes from the
+model's last hidden state through the output head in chunks (:mod:`rope_patch.loss`), so full-vocabulary logits never
+exist for a whole window.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..data import TokenizedDocument
+from ..errors import ConfigError, UnsupportedModelError
+from ..loss import decoder_and_head, logit_softcap, token_nll
+from ..patching import fixed_length
+from .store import ResultStore, record_key
+from .sweep import MethodEntry, MethodSpec, applied, group_by, method_entries
+
+PROTOCOLS = ("truncate", "sliding")
+KEY_FIELDS = ("setup", "method", "length", "protocol", "stride", "document")
+POSITION_BINS = 128  # the loss-by-position curve keeps this many bins per length
+OOM_HINT = "try --dtype bf16, fewer or shorter --lengths, or more GPUs (accelerate launch)"
+
+
+# ----------------------------------------------------------------------------------------------- pure maths
+
+
+@dataclass(frozen=True)
+class Window:
+    """Document tokens ``[start, end)`` go into one forward; tokens ``[scored_from, end)`` are scored."""
+
+    document: int  # index into the evaluated documents
+    start: int
+    end: int
+    scored_from: int
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How documents become scored windows: ``truncate`` or ``sliding`` (with ``stride``), with or without BOS."""
+
+    name: str = "truncate"
+    stride: int | None = None
+    bos_id: int | None = None
+
+    @property
+    def bos(self) -> bool:
+        return self.bos_id is not None
+
+    @property
+    def effective_stride(self) -> int | None:
+        """The stride that identifies results (None where the protocol has none)."""
+        return self.stride if self.name == "sliding" else None
+
+    def check(self, lengths: Sequence[int]) -> None:
+        """Reject a bad protocol, stride or length before any model work."""
+        if self.name not in PROTOCOLS:
+            raise ConfigError(f"unknown protocol {self.name!r}; use one of {', '.join(PROTOCOLS)}")
+        least = 2 + int(self.bos)
+        if not lengths or any(int(n) != n or n < least for n in lengths):
+            raise ConfigError(f"lengths {list(lengths)!r}: give whole numbers of at least {least} tokens")
+        if self.name == "sliding":
+            if self.stride is None or int(self.stride) < 1:
+                raise ConfigError("the sliding protocol needs a positive --stride (the PI paper uses 256)")
+            if self.stride >= min(lengths) - int(self.bos):  # each window's first scored token needs context in it
+                raise ConfigError(f"stride {self.stride} must be smaller than the shortest window ({min(lengths)} "
+                                  f"tokens{', BOS included' if self.bos else ''}); use a smaller --stride, e.g. 256")
+
+    def windows(self, document: int, n_tokens: int, length: int) -> list[Window]:
+        """The windows of one document at ``length`` (BOS included), or none if the document is too short."""
+        span = length - int(self.bos)  # document tokens per window
+        if n_tokens < span:
+            return []
+        first = Window(document, 0, span, 0 if self.bos else 1)
+        if self.name == "truncate":
+            return [first]
+        ends = list(range(span, n_tokens + 1, self.stride))
+        if ends[-1] != n_tokens:
+            ends.append(n_tokens)
+        return [first] + [Window(document, end - span, end, previous) for previous, end in zip(ends, ends[1:])]
+
+    def describe(self) -> str:
+        return describe_protocol(self.name, self.effective_stride, self.bos)
+
+
+def describe_protocol(name: str, stride: int | None, bos: bool) -> str:
+    """How the numbers were obtained, in words, for every output."""
+    how = f"sliding window, stride {stride}" if name == "sliding" else "truncate (first L tokens, one forward)"
+    return f"protocol {how}; BOS {'prepended to every window' if bos else 'not added'}; token-weighted perplexity"
+
+
+def perplexity(nll: float, tokens: int) -> float:
+    """Token-weighted perplexity exp(Σ NLL / Σ tokens)."""
+    return math.exp(nll / tokens) if tokens else float("nan")
+
+
+def bootstrap_interval(
+    nll: Sequence[float], tokens: Sequence[int], *, samples: int = 1000, seed: int = 0
+) -> tuple[float, float]:
+    """95 % interval of the token-weighted perplexity, resampling whole documents with replacement."""
+    nll, tokens = np.asarray(nll, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(nll), size=(samples, len(nll)))  # (samples, documents)
+    values = np.exp(nll[picks].sum(axis=1) / tokens[picks].sum(axis=1))
+    low, high = np.percentile(values, [2.5, 97.5])
+    return float(low), float(high)
+
+
+# ----------------------------------------------------------------------------------------------- the loss
+
+
+@torch.no_grad()
+def window_nll(model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[int], *,
+               loss_chunk: int = 1024) -> list[torch.Tensor]:
+    """Per-token NLL (float32) of positions ``scored_from[b]`` … L−1 of each row of ``input_ids`` (B, L): the decoder
+    runs to its last hidden state, and only the rows that predict a scored token go through the output head."""
+    decoder, head = decoder_and_head(model)
+    hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, H)
+    states = torch.cat([hidden[b, s - 1 : -1] for b, s in enumerate(scored_from)])  # (N, H)
+    targets = torch.cat([input_ids[b, s:] for b, s in enumerate(scored_from)])  # (N,)
+    nll = token_nll(head, states, targets, chunk=loss_chunk, softcap=logit_softcap(model))
+    return list(nll.split([input_ids.shape[1] - s for s in scored_from]))
+
+
+@torch.no_grad()
+def check_chunked_loss(model: nn.Module, input_ids: torch.Tensor, *, tolerance: float = 1e-3) -> None:
+    """Refuse a model whose output head does more than ``lm_head`` (+ soft-capping): compare with its own loss once."""
+    ours = window_nll(model, input_ids, [1]).pop().double().mean().item()
+    plain = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
+    if abs(ours - plain) > tolerance * max(1.0, abs(plain)):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the loss from its last hidden state ({ours:.5f}) differs from its own loss "
+            f"({plain:.5f}); its output head transforms logits in a way rope_patch does not reproduce"
+        )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, getattr(torch, "OutOfMemoryError", ())) or isinstance(error, MemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+# ----------------------------------------------------------------------------------------------- the sweep
+
+
+@dataclass
+class EvalFailure:
+    """A (method, length) that could not be evaluated, and why."""
+
+    method: str
+    length: int
+    reason: str
+
+
+@dataclass
+class LengthPlan:
+    """The windows still to score for one method at one length."""
+
+    entry: MethodEntry
+    length: int
+    windows: list[Window]
+
+
+class _LengthFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class _Sweep:
+    """The state of one :func:`evaluate` call: what to score, what is finished, where to write it."""
+
+    model: nn.Module
+    documents: Sequence[TokenizedDocument]
+    protocol: Protocol
+    batch_size: int
+    loss_chunk: int
+    store: ResultStore | None
+    setup: dict[str, Any]
+    accelerator: Any
+    finished: dict[tuple, dict] = field(default_factory=dict)
+    failures: list[EvalFailure] = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator is None or self.accelerator.is_main_process
+
+    @property
+    def world(self) -> tuple[int, int]:
+        """``(number of processes, this process's rank)``."""
+        if self.accelerator is None:
+            return 1, 0
+        return self.accelerator.num_processes, self.accelerator.process_index
+
+    def identity(self, label: str, length: int, document: TokenizedDocument) -> dict:
+        return {"setup": self.setup, "method": label, "length": int(length), "protocol": self.protocol.name,
+                "stride": self.protocol.effective_stride, "document": document.id}
+
+    def is_done(self, label: str, length: int, document: TokenizedDocument) -> bool:
+        return record_key(self.identity(label, length, document), KEY_FIELDS) in self.finished
+
+    def finish(self, label: str, length: int, document: TokenizedDocument, stats: dict) -> None:
+        record = {**self.identity(label, length, document), **stats}
+        self.finished[record_key(record, KEY_FIELDS)] = record
+        if self.store is not None and self.is_main:
+            self.store.append(record)
+
+    def plan(self, entries: Sequence[MethodEntry], lengths: Sequence[int]) -> list[LengthPlan]:
+        return [LengthPlan(entry, int(length), [
+            w for i, doc in enumerate(self.documents) if not self.is_done(entry.label, length, doc)
+            for w in self.protocol.windows(i, len(doc), int(length))]) for entry in entries for length in lengths]
+
+    def run_length(self, plan: LengthPlan, bar) -> None:
+        """Score one (method, length); out of memory halves the batch and retries the unfinished documents, and at
+        one window per forward the length is reported as failed and the sweep goes on."""
+        label, length = plan.entry.label, plan.length
+        bar.set_postfix_str(f"{label} @ {length}")
+        tokens_before, size = bar.n, self.batch_size
+        while True:
+            pending = [w for w in plan.windows if not self.is_done(label, length, self.documents[w.document])]
+            bar.n = tokens_before + (len(plan.windows) - len(pending)) * length  # unfinished documents restart
+            try:
+                with fixed_length(self.model, length):
+                    self.score(pending, label, length, size, bar)
+                return
+            except _LengthFailed as error:
+                if size > 1:  # out of memory: the windows may fit in smaller batches
+                    size //= 2
+                    self.say(f"{label} at {length} tokens ran out of memory; retrying with {size} window(s) per forward")
+                    continue
+                self.failures.append(EvalFailure(label, length, str(error)))
+                bar.update(tokens_before + len(plan.windows) * length - bar.n)
+                self.say(f"{label} at {length} tokens failed: {error}; continuing with the rest")
+                return
+
+    def say(self, message: str) -> None:
+        if self.is_main:
+            tqdm.write(f"rope-patch eval: {message}", file=sys.stderr)
+
+    def score(self, windows: list[Window], label: str, length: int, batch_size: int, bar) -> None:
+        """Score ``windows`` (all of one length) in rounds of ``world × batch_size``; each process scores its share of
+        a round, the results are gathered and summed in window order; documents finish as they complete."""
+        bin_width = max(1, math.ceil(length / POSITION_BINS))
+        n_bins = math.ceil(length / bin_width)
+        remaining: dict[int, int] = {}
+        for w in windows:
+            remaining[w.document] = remaining.get(w.document, 0) + 1
+        partial: dict[int, dict] = {}
+        world, rank = self.world
+        for start in range(0, len(windows), world * batch_size):
+            round_windows = list(enumerate(windows[start : start + world * batch_size], start))
+            mine = round_windows[rank::world]
+            try:
+                results = [(i, _window_stats(nll, length, bin_width, n_bins))
+                           for (i, _), nll in zip(mine, self.forward([w for _, w in mine]))]
+                error = None
+            except Exception as caught:  # an OOM must reach every process, or the others would wait forever
+                if not is_out_of_memory(caught):
+                    raise
+                results, error = [], f"out of memory ({type(caught).__name__}); {OOM_HINT}"
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            gathered = [(error, results)] if world == 1 else gather_object([(error, results)])
+            errors = [e for e, _ in gathered if e]
+            if errors:
+                raise _LengthFailed(errors[0])
+            for i, stats in sorted((item for _, rs in gathered for item in rs), key=lambda item: item[0]):
+                document = windows[i].document  # summed in window order, whichever process scored the window
+                totals = partial.setdefault(document, {
+                    "nll": 0.0, "tokens": 0, "windows": 0, "position_bin": bin_width,
+                    "position_nll": np.zeros(n_bins), "position_tokens": np.zeros(n_bins, dtype=np.int64)})
+                for key in ("nll", "tokens", "position_nll", "position_tokens"):
+                    totals[key] = totals[key] + stats[key]
+                totals["windows"] += 1
+                remaining[document] -= 1
+                if remaining[document] == 0:
+                    totals = partial.pop(document)
+                    for key in ("position_nll", "position_tokens"):
+                        totals[key] = totals[key].tolist()  # JSON-ready
+                    self.finish(label, length, self.documents[document], totals)
+            bar.update(len(round_windows) * length)
+
+    def forward(self, windows: list[Window]) -> list[torch.Tensor]:
+        if not windows:
+            return []
+        device = next(self.model.parameters()).device
+        rows = [self.documents[w.document].ids[w.start : w.end] for w in windows]
+        ids = torch.as_tensor(np.stack(rows).astype(np.int64), device=device)  # (B, span)
+        if self.protocol.bos:
+            ids = torch.cat([torch.full((len(rows), 1), self.protocol.bos_id, dtype=ids.dtype, device=device), ids], 1)
+        offset = int(self.protocol.bos)
+        return window_nll(self.model, ids, [w.scored_from - w.start + offset for w in windows],
+                          loss_chunk=self.loss_chunk)
+
+
+def _window_stats(nll: torch.Tensor, length: int, bin_width: int, n_bins: int) -> dict:
+    """Summed NLL and token count of one window, and both by position bin (scored tokens end the window)."""
+    values = nll.double().cpu().numpy()
+    bins = np.arange(length - values.shape[0], length) // bin_width  # the position of each scored token, binned
+    return {"nll": float(values.sum()), "tokens": int(values.shape[0]),
+            "position_nll": np.bincount(bins, weights=values, minlength=n_bins),
+            "position_tokens": np.bincount(bins, minlength=n_bins)}
+
+
+def evaluate(
+    model: nn.Module,
+    documents: Sequence[TokenizedDocument],
+    methods: Sequence[MethodSpec],
+    lengths: Sequence[int],
+    protocol: Protocol = Protocol(),
+    *,
+    batch_size: int = 1,
+    loss_chunk: int = 1024,
+    store: ResultStore | None = None,
+    setup: Mapping[str, Any] | None = None,
+    accelerator=None,
+    progress: bool = True,
+) -> tuple[list[dict], list[EvalFailure]]:
+    """Score every document at every length under every method; return ``(records, failures)``.
+
+    One record per (method, length, document): summed NLL, scored tokens, windows and the loss summed by position
+    bin. Each method is patched in once and removed afterwards. Records already in ``store`` (same ``setup``) are
+    reused, new ones appended the moment a document is finished. With an ``accelerator`` of several processes the
+    windows are dealt round-robin and gathered, and sums are taken in window order on the main process. Out of memory
+    halves the batch and retries the unfinished documents; at one window per forward it is reported for that length
+    and the run goes on.
+    """
+    entries = method_entries(model, methods)
+    protocol.check(lengths)
+    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), store, dict(setup or {}), accelerator)
+    if store is not None:
+        sweep.finished = store.by_key()
+    plans = sweep.plan(entries, lengths)
+    bar = tqdm(total=sum(len(p.windows) * p.length for p in plans), unit="tok", unit_scale=True,
+               desc=f"eval ({protocol.name})", disable=not (progress and sweep.is_main), dynamic_ncols=True)
+    for _, group in group_by(plans, lambda p: p.entry.label):
+        if not any(p.windows for p in group):
+            continue  # every record of this method is already stored: do not even patch
+        with applied(model, group[0].entry):
+            for plan in group:
+                sweep.run_length(plan, bar)
+    bar.close()
+    records = [sweep.finished.get(record_key(sweep.identity(e.label, n, doc), KEY_FIELDS))
+               for e in entries for n in lengths for doc in documents]
+    return [r for r in records if r is not None], sweep.failures

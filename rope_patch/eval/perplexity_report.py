@@ -1,0 +1,156 @@
+"""Perplexity reports: the methods × lengths table, summary.csv / summary.json, and two plots.
+
+:func:`summarize` turns per-document records (see :mod:`rope_patch.eval.perplexity`) into one row per method × length,
+token-weighted with a bootstrap interval over documents; everything else only formats or draws those rows, so the
+terminal, the files and the plots always show the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from .perplexity import EvalFailure, bootstrap_interval, describe_protocol, perplexity
+from .plots import length_axis, new_figure, prepare_path, save_figure, write_csv
+from .sweep import MethodEntry
+
+SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
+                  "documents", "tokens", "skipped", "status")
+
+
+def summarize(
+    records: Sequence[Mapping[str, Any]],
+    methods: Sequence[MethodEntry],
+    lengths: Sequence[int],
+    *,
+    protocol: str,
+    stride: int | None = None,
+    bos: bool = False,
+    skipped: int = 0,
+    failures: Sequence[EvalFailure] = (),
+) -> list[dict]:
+    """One row per (method, length) in the order asked, failed or missing cells included with their status."""
+    failed = {(f.method, f.length): f.reason for f in failures}
+    rows = []
+    for entry in methods:
+        for length in lengths:
+            cell = [r for r in records if r["method"] == entry.label and r["length"] == length]
+            nll, tokens = [r["nll"] for r in cell], [r["tokens"] for r in cell]
+            low, high = bootstrap_interval(nll, tokens) if cell else (float("nan"), float("nan"))
+            reason = failed.get((entry.label, length))
+            status = "ok" if cell else f"failed: {reason}" if reason else "missing"
+            rows.append({
+                "method": entry.label, "name": entry.name, "params": json.dumps(entry.params, sort_keys=True),
+                "length": int(length), "protocol": protocol, "stride": stride if protocol == "sliding" else None,
+                "bos": bool(bos), "perplexity": perplexity(sum(nll), sum(tokens)), "ci_low": low, "ci_high": high,
+                "documents": len(cell), "tokens": int(sum(tokens)), "skipped": int(skipped), "status": status,
+            })
+    return rows
+
+
+def _protocol_of(rows: Sequence[Mapping[str, Any]]) -> str:
+    first = rows[0] if rows else {"protocol": "truncate", "stride": None, "bos": False}
+    return describe_protocol(first["protocol"], first["stride"], first["bos"])
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Perplexity per method (rows) × length (columns), then the protocol, documents and skipped counts."""
+    lengths = list(dict.fromkeys(r["length"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cells = {(r["method"], r["length"]): r for r in rows}
+    width = max([len("method")] + [len(m) for m in methods])
+    header = "method".ljust(width) + "".join(f"{n:>12,}" for n in lengths)
+    lines = [header, "-" * len(header)]
+    for method in methods:
+        lines.append(method.ljust(width) + "".join(f"{_cell_text(cells[(method, n)]):>12}" for n in lengths))
+    documents = max(r["documents"] for r in rows)
+    lines.append(f"{_protocol_of(rows)}; {documents} documents ({rows[0]['skipped']} skipped as too short); "
+                 "95% intervals in summary.csv")
+    return "\n".join(lines)
+
+
+def _cell_text(row: Mapping[str, Any]) -> str:
+    if row["status"] != "ok":
+        return "OOM" if "out of memory" in row["status"] else "-"
+    value = row["perplexity"]
+    return f"{value:.3g}" if value >= 1000 else f"{value:.2f}"
+
+
+def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
+               settings: Mapping[str, Any] | None = None) -> Path:
+    """The run's settings (model, data, dtype, protocol, ...) and the summary rows."""
+    path = prepare_path(path)
+    summary = {"task": "perplexity", "protocol": _protocol_of(rows), "settings": dict(settings or {}),
+               "rows": [dict(r) for r in rows]}
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def position_loss(records: Sequence[Mapping[str, Any]], method: str, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(bin centres, mean loss)`` over the window positions of one method at one length (all documents pooled)."""
+    cell = [r for r in records if r["method"] == method and r["length"] == length]
+    nll = np.sum([r["position_nll"] for r in cell], axis=0)
+    tokens = np.sum([r["position_tokens"] for r in cell], axis=0)
+    centres = (np.arange(len(nll)) + 0.5) * cell[0]["position_bin"]
+    keep = tokens > 0
+    return centres[keep], nll[keep] / tokens[keep]
+
+
+def plot_perplexity(rows: Sequence[Mapping[str, Any]], path: str | Path, *, native_length: int | None = None,
+                    title: str = "") -> Path:
+    """Perplexity against length (log-scaled axes), one line per method with its 95 % band, native length marked."""
+    fig, (ax,) = new_figure()
+    for method in dict.fromkeys(r["method"] for r in rows):
+        cell = [r for r in rows if r["method"] == method and r["status"] == "ok"]
+        if not cell:
+            continue
+        x = [r["length"] for r in cell]
+        line, = ax.plot(x, [r["perplexity"] for r in cell], marker="o", label=method)
+        ax.fill_between(x, [r["ci_low"] for r in cell], [r["ci_high"] for r in cell], color=line.get_color(), alpha=0.15)
+    length_axis(ax, [r["length"] for r in rows], native_length=native_length)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylabel("perplexity")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def plot_position_loss(records: Sequence[Mapping[str, Any]], length: int, path: str | Path, *,
+                       native_length: int | None = None, title: str = "") -> Path:
+    """Mean loss by token position at one length, one line per method: shows where an unpatched model breaks."""
+    fig, (ax,) = new_figure()
+    for method in dict.fromkeys(r["method"] for r in records if r["length"] == length):
+        x, y = position_loss(records, method, length)
+        ax.plot(x, y, label=method, linewidth=1.2)
+    if native_length:
+        ax.axvline(native_length, color="grey", linestyle="--", linewidth=1, label=f"native length {native_length:,}")
+    ax.set_xlabel(f"position in the {length:,}-token window")
+    ax.set_ylabel("mean loss (nats per token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]], output_dir: str | Path, *,
+                  settings: Mapping[str, Any] | None = None, native_length: int | None = None) -> dict[str, Path]:
+    """summary.csv, summary.json, perplexity.png and position_loss.png (at the longest length evaluated)."""
+    out = Path(output_dir)
+    title = f"{(settings or {}).get('model', '')} on {(settings or {}).get('data', '')}\n{_protocol_of(rows)}"
+    files = {"csv": write_csv(rows, out / "summary.csv", SUMMARY_FIELDS),
+             "json": write_json(rows, out / "summary.json", settings=settings),
+             "perplexity plot": plot_perplexity(rows, out / "perplexity.png", native_length=native_length, title=title)}
+    done = [r["length"] for r in rows if r["status"] == "ok"]
+    if done:
+        files["position plot"] = plot_position_loss(records, max(done), out / "position_loss.png",
+                                                    native_length=native_length, title=title)
+    return files

@@ -1,0 +1,57 @@
+"""File and figure plumbing shared by every report: CSV rows, output paths, and the length axis of plots.
+
+Figures are built with matplotlib's object API (``matplotlib.figure.Figure``), never pyplot, so rope_patch changes no
+global plotting state: a notebook's backend stays as it was.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter, NullLocator
+
+
+def prepare_path(path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path, fields: Sequence[str]) -> Path:
+    """One row per entry, in the given column order."""
+    path = prepare_path(path)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(fields))
+        writer.writeheader()
+        writer.writerows({k: row.get(k) for k in fields} for row in rows)
+    return path
+
+
+def new_figure(width: float = 7.0, height: float = 4.5, columns: int = 1) -> tuple[Figure, list]:
+    """A figure and its ``columns`` axes side by side."""
+    fig = Figure(figsize=(width, height))
+    axes = fig.subplots(1, columns, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def length_axis(ax, lengths: Sequence[int], *, native_length: int | None = None,
+                label: str = "context length (tokens)") -> None:
+    """A log2 x axis ticked at the evaluated lengths, with the native length marked by a dashed line."""
+    if native_length:
+        ax.axvline(native_length, color="grey", linestyle="--", linewidth=1, label=f"native length {native_length:,}")
+    lengths = sorted(set(lengths))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [f"{n:,}" for n in lengths], rotation=90 if len(lengths) > 8 else 0, fontsize=8)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(label)
+
+
+def save_figure(fig: Figure, path: str | Path) -> Path:
+    path = prepare_path(path)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path

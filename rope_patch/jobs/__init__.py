@@ -1,0 +1,75 @@
+"""The jobs: one config dataclass and one run function each. The ``rope-patch`` command line, the YAML configs and
+the Python API are all generated from these, so they cannot disagree.
+
+==========  ===================  ===================  ==========================================================
+verb        config               run function         what it does
+==========  ===================  ===================  ==========================================================
+inspect     InspectConfig        run_inspect          a model's RoPE pair by pair, before and after a method
+eval        EvalConfig           run_eval             perplexity of methods × lengths, resumable, tables and plots
+passkey     PasskeyConfig        run_passkey          passkey retrieval of methods × lengths × depths
+finetune    FinetuneConfig       finetune             train an extended checkpoint (full or LoRA, accelerate)
+==========  ===================  ===================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .eval import EvalConfig, EvalResult, run_eval
+from .finetune import FinetuneConfig, FinetuneResult
+from .finetune import finetune as run_finetune  # the module keeps the name `finetune`
+from .inspect import InspectConfig, InspectResult, run_inspect
+from .options import JobConfig
+from .passkey import PasskeyConfig, PasskeyResult, run_passkey
+
+
+@dataclass(frozen=True)
+class Job:
+    """A verb of the command line: its config, its run function, and the texts of its ``--help``."""
+
+    config: type[JobConfig]
+    run: Callable[[Any], Any]
+    summary: str
+    description: str
+    example: str
+
+
+JOBS: dict[str, Job] = {
+    "inspect": Job(
+        InspectConfig, run_inspect, "show a model's RoPE set-up and each frequency pair before/after a method",
+        "Show the rotary set-up of MODEL (type, head and rotary dims, pairing, base, native length, current scaling) "
+        "and, per frequency pair, its wavelength and how many turns it makes within the native window, before and "
+        "after --method. Only the config and RoPE buffers are loaded, not the weights.",
+        "rope-patch inspect HuggingFaceTB/SmolLM2-135M --method yarn:factor=4"),
+    "eval": Job(
+        EvalConfig, run_eval, "perplexity of several methods at several lengths (tables, CSV/JSON, plots)",
+        "Load the model once, patch in each method, score the same token windows at every length, and report "
+        "token-weighted perplexity with a 95% bootstrap interval over documents. Protocols: truncate (each document "
+        "cut to its first L tokens, one forward) or sliding (every token scored once with up to L tokens of context). "
+        "Documents shorter than the longest length are skipped and counted. Each finished (method, length, document) "
+        "is saved at once: rerun the same command to resume. Under 'accelerate launch' the windows are split across "
+        "processes.",
+        "rope-patch eval --method none --method yarn:factor=2 --lengths 4096,8192,16k --documents 4"),
+    "passkey": Job(
+        PasskeyConfig, run_passkey, "passkey retrieval accuracy at long lengths, for several methods",
+        "Hide a random 5-digit key at chosen depths of filler text, ask the model for it with greedy decoding, and "
+        "report accuracy per method × length × depth. Lengths count the model's own tokens. The model is loaded once "
+        "and every method sees the same prompts. Each trial is saved the moment it finishes: rerun the same command "
+        "to resume.",
+        "rope-patch passkey --method none --method yarn:factor=2 --lengths 4096,8192,16k --trials 5"),
+    "finetune": Job(
+        FinetuneConfig, run_finetune, "fine-tune a patched model at a longer context (full or LoRA; one device or many)",
+        "Patch the model's RoPE with --method, train it on sequences of exactly --seq-len tokens (documents joined by "
+        "EOS) with AdamW and the Position Interpolation defaults, and save a standard transformers folder whose config "
+        "carries the scaling. Runs on one process; for many GPUs start it with 'accelerate launch --config_file "
+        "configs/accelerate/ddp.yaml -m rope_patch finetune ...'. Checkpoints every --save-every steps hold the "
+        "optimizer, scheduler, data position and RNG: --resume continues to the same result.",
+        "rope-patch finetune --method linear:factor=2 --seq-len 16k --steps 200 --output runs/smollm2-16k"),
+}
+
+__all__ = [
+    "JOBS", "EvalConfig", "EvalResult", "FinetuneConfig", "FinetuneResult", "InspectConfig", "InspectResult", "Job",
+    "JobConfig", "PasskeyConfig", "PasskeyResult", "run_eval", "run_finetune", "run_inspect", "run_passkey",
+]

@@ -1,0 +1,54 @@
+"""What the evaluation jobs share: the model they run on, loaded once, or handed over already loaded from Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..loading import default_attention, load_model, model_label
+
+METHOD_HELP = ("method NAME[:key=value,...]; repeat for several. 'as-loaded' evaluates the model as it was loaded, with "
+               "the scaling a rope_patch checkpoint carries")
+MODEL_HELP = "hub id or local folder (default: the embedded SmolLM2-135M-Instruct)"
+DTYPE_HELP = "auto (bf16 on a GPU and on CPUs with native bf16, fp32 elsewhere), bf16, fp32 or fp16"
+DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for a job: the model, its tokenizer, and the name reports give it."""
+
+    model: nn.Module
+    tokenizer: Any
+    label: str
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+
+def split_loaded(options: dict[str, Any]) -> tuple[dict[str, Any], LoadedModel | None]:
+    """A Python caller may pass ``model=<loaded model>, tokenizer=<its tokenizer>`` instead of a name; take them out of
+    the options (the config then records the model's name)."""
+    model, tokenizer = options.get("model"), options.pop("tokenizer", None)
+    if not isinstance(model, nn.Module):
+        if tokenizer is not None:
+            raise ConfigError("tokenizer= goes with a loaded model= ; with a model name the job loads its own tokenizer")
+        return options, None
+    if tokenizer is None:
+        raise ConfigError("a loaded model needs its tokenizer too: pass tokenizer=")
+    label = getattr(model, "name_or_path", "") or type(model).__name__
+    return {**options, "model": label}, LoadedModel(model, tokenizer, label)
+
+
+def load_for_job(name: str | None, *, dtype: str, attn_implementation: str | None,
+                 device: str | torch.device | None = None) -> LoadedModel:
+    """Load the model a job names (the embedded default for None), with SDPA or FlashAttention 2 by default."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(name, dtype=dtype, device=device,
+                                  attn_implementation=attn_implementation or default_attention(device))
+    return LoadedModel(model, tokenizer, model_label(name))

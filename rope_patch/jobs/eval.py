@@ -1,0 +1,134 @@
+"""The ``eval`` job: long-context perplexity of several methods at several lengths, in one resumable run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+
+from ..data import documents_fingerprint, load_documents, resolve_bos, select_documents, tokenize_documents
+from ..errors import ConfigError
+from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, check_chunked_loss, evaluate
+from ..eval.perplexity_report import format_table, summarize, write_reports
+from ..eval.store import ResultStore
+from ..eval.sweep import AS_LOADED, method_entries
+from ..patching import native_length
+from .common import DTYPE_CHOICES, DTYPE_HELP, METHOD_HELP, MODEL_HELP, load_for_job, split_loaded
+from .options import JobConfig, option
+
+BOS_CHOICES = {"auto": None, "yes": True, "no": False}
+
+
+@dataclass
+class EvalConfig(JobConfig):
+    """Every choice of a perplexity run. Field names are the ``rope-patch eval`` options and the YAML keys."""
+
+    command: ClassVar[str] = "eval"
+
+    model: str | None = option(None, MODEL_HELP)
+    method: list[str] = option([AS_LOADED], METHOD_HELP, repeat=True, split=False, metavar="SPEC")
+    lengths: list[int] = option([4096, 8192, 16384], "window lengths in tokens, e.g. 4096,8192,16k", tokens=True)
+    dataset: str | None = option(None, "hub data set name, or a local .txt/.jsonl/.parquet file or folder "
+                                       "(default: the embedded corpus built from the Python standard library)")
+    split: str | None = option(None, "split of a hub data set (default: test)")
+    subset: str | None = option(None, "configuration name of a hub data set, if it has several")
+    text_field: str = option("text", "field holding the text in .jsonl/.parquet/hub rows")
+    protocol: str = option("truncate", "truncate: first L tokens of each document, one forward; sliding: windows of "
+                                       "L tokens advancing by --stride, each token scored once", choices=PROTOCOLS)
+    stride: int = option(256, "stride of the sliding protocol")
+    documents: int | None = option(None, "evaluate this many documents, sampled with --seed (default: all long enough)")
+    seed: int = option(0, "seed of the document sample")
+    batch_size: int = option(1, "windows per forward")
+    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_CHOICES)
+    bos: str = option("auto", "start every window with the BOS token: auto follows the tokenizer",
+                      choices=tuple(BOS_CHOICES))
+    loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
+    attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
+                                                   "flash_attention_2 on a GPU where installed)")
+    output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots "
+                                             "(none from Python with output=None)")
+    progress: bool = option(True, "show a progress bar")
+
+    def validate(self) -> None:
+        method_entries(None, self.method)  # a typo fails before anything is loaded
+        if self.batch_size < 1 or self.loss_chunk < 1:
+            raise ConfigError("--batch-size and --loss-chunk must be positive whole numbers")
+        if self.documents is not None and self.documents < 1:
+            raise ConfigError(f"--documents {self.documents}: give a positive number, or leave it out for all")
+        self.protocol_with(None).check(self.lengths)
+
+    def protocol_with(self, bos_id: int | None) -> Protocol:
+        return Protocol(self.protocol, self.stride, bos_id)
+
+
+@dataclass
+class EvalResult:
+    """What :func:`run_eval` produced: summary rows, per-document records, failures, written files and the table."""
+
+    rows: list[dict]
+    records: list[dict]
+    failures: list[EvalFailure]
+    files: dict[str, Path]
+    table: str
+    settings: dict[str, Any]
+    main_process: bool = True  # under accelerate launch, only the main process reports
+
+    def __str__(self) -> str:
+        s = self.settings
+        text = (f"perplexity, {s['model']} ({s['dtype']}), native length {s['native_length']:,}, data {s['data']}\n"
+                f"{self.table}")
+        if self.files:
+            text += f"\n\nresults: {s['output']}/results.jsonl; summaries and plots: {', '.join(map(str, self.files.values()))}"
+        return text
+
+
+def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
+    """Load the model and data once, evaluate every method × length on the same windows, and report.
+
+    ``run_eval(method=["none", "yarn:factor=2"], lengths=[4096, 8192], documents=2)``; options are the fields of
+    :class:`EvalConfig`, and ``model=`` may also be a loaded model (then pass ``tokenizer=``). Documents shorter than the
+    longest length are skipped (and counted), so every length sees the same documents. With ``output`` (a folder),
+    results.jsonl makes the run resumable and summary.csv, summary.json, perplexity.png and position_loss.png are
+    written there. Under ``accelerate launch`` the windows are split across processes.
+    """
+    options, loaded = split_loaded(options)
+    config = EvalConfig.from_options(config, **options)
+    corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
+    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
+                                    device=accelerator.device)
+    model = loaded.model
+    with accelerator.main_process_first():
+        tokenized = tokenize_documents(loaded.tokenizer, corpus)
+    protocol = config.protocol_with(resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
+    protocol.check(config.lengths)
+    chosen, skipped = select_documents(tokenized, max(config.lengths) - int(protocol.bos), config.documents,
+                                       seed=config.seed)
+    probe = torch.as_tensor(chosen[0].ids[:64].astype(np.int64), device=next(model.parameters()).device)[None]
+    check_chunked_loss(model, probe if not protocol.bos else torch.cat([probe.new_full((1, 1), protocol.bos_id), probe], 1))
+
+    settings = {"model": loaded.label, "dtype": loaded.dtype, "data": config.dataset or "stdlib (embedded default corpus)",
+                "split": config.split, "text_field": config.text_field, "protocol": config.protocol,
+                "stride": protocol.effective_stride, "bos": protocol.bos, "documents": [d.id for d in chosen],
+                "skipped": skipped, "seed": config.seed, "batch_size": config.batch_size,
+                "native_length": native_length(model), "processes": accelerator.num_processes,
+                "output": config.output}
+    setup = {"model": loaded.label, "dtype": loaded.dtype, "data": documents_fingerprint(corpus), "bos": protocol.bos}
+    store = None
+    if config.output is not None:
+        with accelerator.main_process_first():
+            store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS)
+
+    records, failures = evaluate(model, chosen, config.method, config.lengths, protocol, batch_size=config.batch_size,
+                                 loss_chunk=config.loss_chunk, store=store, setup=setup, accelerator=accelerator,
+                                 progress=config.progress)
+    rows = summarize(records, method_entries(model, config.method), config.lengths, protocol=config.protocol,
+                     stride=protocol.effective_stride, bos=protocol.bos, skipped=skipped, failures=failures)
+    files = {}
+    if config.output is not None and accelerator.is_main_process:
+        files = write_reports(rows, records, config.output, settings=settings, native_length=settings["native_length"])
+    return EvalResult(rows, records, failures, files, format_table(rows), settings, accelerator.is_main_process)

@@ -1,0 +1,169 @@
+"""Job configs: one dataclass per job whose fields are the command-line options, the YAML keys and the Python keyword
+arguments, with one name, one default and one help text each.
+
+A field is declared with :func:`option`. Values are parsed and checked here, once, whatever their origin: a command
+line gives strings (``"4096,8192,16k"``, ``"true"``), YAML gives numbers and lists, Python gives anything. Bad values
+raise :class:`~rope_patch.errors.ConfigError` naming the option and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from ..errors import ConfigError
+
+TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, repeat: bool = False,
+           split: bool = True, tokens: bool = False, positional: bool = False, metavar: str | None = None,
+           const: Any = None) -> Any:
+    """A config field. ``repeat``: a list option given once per value on the command line (``--method A --method
+    B``); ``split``: a string value of a list option is comma-separated (off for method specs, which hold commas);
+    ``tokens``: whole numbers may be written ``16k`` (= 16,384); ``positional``: a positional command-line argument;
+    ``const``: the value of the flag given alone (``--resume`` = ``--resume latest``)."""
+    metadata = {"help": help, "choices": choices, "repeat": repeat, "split": split, "tokens": tokens,
+                "positional": positional, "metavar": metavar, "const": const}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a field: ``--seq-len`` for ``seq_len``."""
+    return "--" + name.replace("_", "-")
+
+
+def _parse_int(name: str, value: Any, tokens: bool) -> int:
+    text = str(value).strip().replace("_", "")
+    try:
+        if tokens and text.lower().endswith("k"):
+            return int(float(text[:-1]) * 1024)
+        number = float(text)
+        if number != int(number):
+            raise ValueError
+        return int(number)
+    except ValueError:
+        example = " (16k = 16,384)" if tokens else ""
+        raise ConfigError(f"{flag(name)} {value!r}: give a whole number{example}") from None
+
+
+def _parse_scalar(name: str, kind: type, value: Any, meta: Mapping[str, Any]) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in TRUE + FALSE:
+            return str(value).lower() in TRUE
+        raise ConfigError(f"{flag(name)} {value!r}: give true or false")
+    if isinstance(value, bool):
+        raise ConfigError(f"{flag(name)} {value!r}: give {'a number' if kind in (int, float) else 'text'}, "
+                          "not true/false")
+    if kind is int:
+        return _parse_int(name, value, meta.get("tokens", False))
+    if kind is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag(name)} {value!r}: give a number") from None
+    return value if not isinstance(value, (int, float)) or kind is not str else str(value)
+
+
+def _unwrap(kind: Any) -> tuple[Any, bool]:
+    """``X | None`` → (X, True); anything else → (kind, False)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        return (args[0] if len(args) == 1 else kind), len(args) < len(typing.get_args(kind))
+    return kind, False
+
+
+def parse_value(name: str, kind: Any, value: Any, meta: Mapping[str, Any]) -> Any:
+    """One field's value, parsed to its declared type and checked against its choices."""
+    kind, optional = _unwrap(kind)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{flag(name)} needs a value")
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()] if meta.get("split", True) else [value]
+        elif not isinstance(value, (list, tuple)):
+            value = [value]
+        parsed = [_parse_scalar(name, item, v, meta) for v in value]
+    elif kind in (bool, int, float, str):
+        parsed = _parse_scalar(name, kind, value, meta)
+    else:
+        parsed = value  # a type this module does not parse (e.g. a loaded model passed from Python)
+    choices = meta.get("choices")
+    for v in parsed if isinstance(parsed, list) else [parsed]:
+        if choices and v not in choices:
+            raise ConfigError(f"{flag(name)} {v!r}: choose one of {', '.join(map(str, choices))}")
+    return parsed
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """Base of every job's config: parses each field on construction, then runs the job's own :meth:`validate`."""
+
+    command: ClassVar[str] = ""  # the rope-patch verb, for messages and the first line of saved configs
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for spec in dataclasses.fields(self):
+            setattr(self, spec.name, parse_value(spec.name, hints[spec.name], getattr(self, spec.name), spec.metadata))
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks across fields; a subclass raises ConfigError naming the options and the fix."""
+
+    @classmethod
+    def from_options(cls, config: JobConfig | None = None, **options: Any) -> JobConfig:
+        """``config`` (or the defaults) with ``options`` replacing fields; an unknown name is refused with the list."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"{cls.command or cls.__name__}: unknown option {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        if config is None:
+            return cls(**options)
+        if not isinstance(config, cls):
+            raise ConfigError(f"expected a {cls.__name__}, got {type(config).__name__}")
+        return dataclasses.replace(config, **options)
+
+    @classmethod
+    def read_yaml(cls, path: str | Path) -> dict[str, Any]:
+        """The option values of a YAML config file, keys checked against the fields (``seq-len`` = ``seq_len``)."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; see the files under configs/")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where else ""
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: fix its syntax") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must be a mapping of option: value")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in data.items():
+            name = str(key).replace("-", "_")
+            if name not in known:
+                raise ConfigError(f"config file {str(path)!r}: unknown option {key!r}; known: {', '.join(sorted(known))}")
+            values[name] = value
+        return values
+
+    def to_yaml(self, path: str | Path, *, leave_out: tuple[str, ...] = ()) -> Path:
+        """Write the config as YAML whose first line is the command that reruns it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in leave_out}
+        path.write_text(f"# rope-patch {self.command} --config {path}\n" + yaml.safe_dump(values, sort_keys=False))
+        return path

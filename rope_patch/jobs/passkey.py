@@ -1,0 +1,87 @@
+"""The ``passkey`` job: passkey retrieval over lengths × depths × trials for several methods in one resumable run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from tqdm.auto import tqdm
+
+from ..eval.passkey import KEY_FIELDS, check_grid, evaluate_passkey
+from ..eval.passkey_report import format_table, write_reports
+from ..eval.store import ResultStore
+from ..eval.sweep import AS_LOADED, method_entries
+from ..patching import native_length
+from .common import DTYPE_CHOICES, DTYPE_HELP, METHOD_HELP, MODEL_HELP, load_for_job, split_loaded
+from .options import JobConfig, option
+
+
+@dataclass
+class PasskeyConfig(JobConfig):
+    """Every choice of a passkey run. Field names are the ``rope-patch passkey`` options and the YAML keys."""
+
+    command: ClassVar[str] = "passkey"
+
+    model: str | None = option(None, MODEL_HELP)
+    method: list[str] = option([AS_LOADED], METHOD_HELP, repeat=True, split=False, metavar="SPEC")
+    lengths: list[int] = option([4096, 8192, 16384], "prompt lengths in tokens, e.g. 4096,8192,16k", tokens=True)
+    depths: list[float] = option([0.0, 0.25, 0.5, 0.75, 1.0], "key depths as fractions of the filler, 0 = start, 1 = end")
+    trials: int = option(5, "trials (random keys) per length × depth")
+    seed: int = option(0, "seed of the random keys")
+    max_new_tokens: int = option(8, "tokens generated per answer")
+    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_CHOICES)
+    attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
+                                                   "flash_attention_2 on a GPU where installed)")
+    output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots "
+                                                "(none from Python with output=None)")
+    progress: bool = option(True, "show a progress bar")
+
+    def validate(self) -> None:
+        method_entries(None, self.method)  # a typo fails before the model loads
+        check_grid(self.lengths, self.depths, self.trials, self.max_new_tokens)
+
+
+@dataclass
+class PasskeyResult:
+    """What :func:`run_passkey` produced: one record per trial, the written files, and the settings."""
+
+    records: list[dict]
+    files: dict[str, Path]
+    settings: dict[str, Any]
+
+    def __str__(self) -> str:
+        s = self.settings
+        text = [f"passkey accuracy (correct/trials), {s['model']}, native length {s['native_length']:,}",
+                format_table(self.records)]
+        if len(s["depths"]) > 1:
+            text += ["\nby key depth (0 = start of the filler), all lengths pooled", format_table(self.records, by="depth"),
+                     "\nby length and key depth (also in summary.csv and heatmaps.png)",
+                     format_table(self.records, by=("length", "depth"))]
+        if self.files:
+            text.append(f"\nresults: {s['output']}/results.jsonl; summaries and plots: "
+                        f"{', '.join(str(p) for p in self.files.values())}")
+        return "\n".join(text)
+
+
+def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> PasskeyResult:
+    """Load the model once and run the passkey grid for every method; options are the fields of
+    :class:`PasskeyConfig` (``model=`` may be a loaded model, with ``tokenizer=``). Finished trials in
+    ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
+    options, loaded = split_loaded(options)
+    config = PasskeyConfig.from_options(config, **options)
+    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation)
+    store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
+    if store is not None and len(store) and config.progress:
+        tqdm.write(f"resuming: {len(store)} finished trials in {store.path}")
+    records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
+                               config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
+                               model_name=loaded.label, progress=config.progress)
+    settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
+                "lengths": config.lengths, "depths": config.depths, "trials": config.trials, "seed": config.seed,
+                "max_new_tokens": config.max_new_tokens, "dtype": loaded.dtype,
+                "native_length": native_length(loaded.model), "output": config.output}
+    files = {}
+    if config.output is not None:
+        files = write_reports(records, config.output, settings=settings, native_length=settings["native_length"])
+    return PasskeyResult(records, files, settings)

@@ -1,0 +1,26 @@
+"""RoPE methods: the registry, the built-in frequency methods, and the ``name:key=value`` spec grammar.
+
+Pure maths: nothing here imports transformers or touches a model (that is :mod:`rope_patch.patching`).
+"""
+
+from . import frequency  # noqa: F401  (registers the built-in methods)
+from .frequency import default_inv_freq, ntk_theta, yarn_attention_factor
+from .registry import (
+    METHODS,
+    Frequencies,
+    Method,
+    Param,
+    RopeBase,
+    available_methods,
+    compute_frequencies,
+    get_method,
+    register_method,
+    resolve_params,
+)
+from .spec import method_label, parse_method_spec
+
+__all__ = [
+    "METHODS", "Frequencies", "Method", "Param", "RopeBase", "available_methods", "compute_frequencies",
+    "default_inv_freq", "get_method", "method_label", "ntk_theta", "parse_method_spec", "register_method",
+    "resolve_params", "yarn_attention_factor",
+]

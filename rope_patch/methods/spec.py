@@ -1,0 +1,69 @@
+"""Method specs as written on the command line and in YAML: ``"yarn:factor=4,beta_fast=32"`` or
+``{"name": "yarn", "factor": 4}``, and the canonical label a spec is reported under."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import InvalidParameterError
+from .registry import get_method
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += char in "[(" and 1 or (char in "])" and -1 or 0)
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return parts + [current]
+
+
+def parse_method_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``"yarn:factor=4,beta_fast=32"`` → ``("yarn", {"factor": 4, "beta_fast": 32})``; the name is checked."""
+    if isinstance(spec, Mapping):
+        params = dict(spec)
+        name = params.pop("name", params.pop("method", None))
+        if not name:
+            raise InvalidParameterError(f"method spec {dict(spec)!r} needs a 'name' key, e.g. {{name: yarn, factor: 2}}")
+    else:
+        name, _, rest = str(spec).strip().partition(":")
+        params = {}
+        for item in _split_top_level(rest) if rest.strip() else []:
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise InvalidParameterError(f"method spec {spec!r}: write parameters as key=value, e.g. yarn:factor=4")
+            params[key.strip()] = _parse_value(value)
+    get_method(name.strip())
+    return name.strip(), params
+
+
+def method_label(name: str, params: Mapping[str, Any] | None = None) -> str:
+    """The canonical spec string of a method and the parameters a user gave, e.g. ``yarn:factor=2``."""
+    if not params:
+        return name
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float) and v == int(v) and abs(v) < 1e15:
+            return str(int(v))
+        if isinstance(v, (list, tuple)):
+            return "[" + ",".join(fmt(x) for x in v) + "]"
+        return str(v)
+
+    return name + ":" + ",".join(f"{k}={fmt(v)}" for k, v in params.items())

@@ -1,0 +1,302 @@
+"""Patch a loaded model's RoPE in place, reversibly: the public verbs.
+
+:func:`patch` finds the rotary modules (:mod:`.rotary`), snapshots everything it will change, gives each module an
+instance-level forward that writes the method's fp32 frequencies, rewrites the config to describe the patched model
+(:mod:`.record`), and wraps ``model.generate`` so a dynamic method sees one fixed length for a whole call (the KV
+cache then holds keys rotated like every later query, see :func:`fixed_length`). Only the given model instance
+changes: no class is modified, other models in the process are untouched. :func:`unpatch` puts everything back
+exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..methods import compute_frequencies, get_method, method_label, resolve_params
+from .record import (
+    ConfigSnapshot,
+    carries_scaling,
+    reset_saved_patch,
+    restore_config,
+    saved_patch,
+    snapshot_config,
+    unscaled_base,
+    write_config,
+)
+from .rotary import (
+    MISSING,
+    ModuleSnapshot,
+    RotaryTarget,
+    check_base,
+    default_layer_types,
+    find_rotary_modules,
+    install_frequencies,
+    layer_rope_parameters,
+    restore_module,
+    rotary_dim,
+    select_layer_types,
+    snapshot_module,
+)
+
+STATE_ATTR = "_rope_patch_state"
+
+
+@dataclass
+class PatchState:
+    """What a patched model carries (as ``model._rope_patch_state``): the patch and everything needed to undo it."""
+
+    method: str
+    given: dict[str, Any]
+    targets: list[RotaryTarget]
+    module_snapshots: dict[int, ModuleSnapshot]
+    config_snapshots: dict[int, tuple[Any, ConfigSnapshot]]
+    generate_snapshot: Any = MISSING
+    frozen_length: int | None = None
+
+
+def patch_state(model: nn.Module) -> PatchState | None:
+    return getattr(model, STATE_ATTR, None)
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` changed; ``str(report)`` is a short human summary."""
+
+    method: str
+    params: dict[str, Any]
+    label: str
+    modules: list[str]
+    layer_types: list[str | None]
+    rope_theta: float
+    rotary_dim: int
+    native_length: int
+    context_length: int
+    attention_factor: float
+    saved_as: str  # the rope_type a plain transformers reload sees, or why it needs rope_patch.from_pretrained
+    replaced: str | None = None  # the scaling the model carried before, if any
+
+    def __str__(self) -> str:
+        where = ", ".join(self.modules) + (
+            f" (layer types: {', '.join(str(t) for t in self.layer_types)})" if any(self.layer_types) else ""
+        )
+        lines = [
+            f"patched {where} with {self.label}",
+            f"  base theta {self.rope_theta:g}, rotary dim {self.rotary_dim}, native length {self.native_length}, "
+            f"context length now {self.context_length}, attention factor {self.attention_factor:.4f}",
+            f"  config.json: {self.saved_as}",
+        ]
+        if self.replaced:
+            lines.append(f"  replaced the model's own scaling ({self.replaced}); methods never compound")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rotary set-up of a model, before any patch.
+
+
+def rotary_setup(model: nn.Module, module: nn.Module, layer_type: str | None):
+    """The unscaled RoPE (:class:`~rope_patch.methods.RopeBase`) of one rotary module's layer type."""
+    state = patch_state(model)
+    live = state.config_snapshots.get(id(module.config), (None, None))[1] if state is not None else None
+    return unscaled_base(module.config, layer_type, rotary_dim(module, layer_type), live)
+
+
+def primary_rotary(model: nn.Module) -> tuple[str, nn.Module, str | None]:
+    """``(name, module, layer_type)`` of the RoPE that describes the model: its first rotary module and the layer type a
+    patch targets by default (Gemma 3: the global layers)."""
+    name, module = find_rotary_modules(model)[0]
+    return name, module, default_layer_types(module)[0]
+
+
+def native_length(model: nn.Module) -> int:
+    """The context length the model was pretrained for (before any rope_patch scaling)."""
+    _, module, layer_type = primary_rotary(model)
+    return rotary_setup(model, module, layer_type).native_length
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The public verbs.
+
+
+def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None = None, **params: Any) -> PatchReport:
+    """Replace the model's RoPE with ``method`` in place. Patching again replaces the earlier patch (never compounds).
+
+    ``params`` use transformers' ``rope_parameters`` names (``factor``, ``original_max_position_embeddings``, ...);
+    the model's own values are the defaults. ``layer_types`` matters for models with per-layer-type RoPE (Gemma 3):
+    the global (``full_attention``) layers by default, ``"all"``, or a list.
+    """
+    spec = get_method(method)
+    modules = find_rotary_modules(model)
+    plan = []  # validate everything before changing anything: bad input leaves the model as it was
+    for name, module in modules:
+        for layer_type in select_layer_types(module, layer_types):
+            base = rotary_setup(model, module, layer_type)
+            check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type))
+            plan.append(RotaryTarget(name, module, layer_type, base, resolve_params(method, base, params)))
+    unpatch(model)
+    replaced = reset_saved_patch(modules)
+    first = plan[0]
+    if replaced is None:
+        rope_type = layer_rope_parameters(first.module.config, first.layer_type).get("rope_type", "default")
+        replaced = None if rope_type == "default" else f"rope_type={rope_type}"
+
+    state = PatchState(
+        method=method,
+        given=dict(params),
+        targets=plan,
+        module_snapshots={id(m): snapshot_module(m) for _, m in modules},
+        config_snapshots={id(m.config): (m.config, snapshot_config(m.config)) for _, m in modules},
+    )
+
+    def length(position_ids: torch.Tensor) -> int | None:
+        """The length a dynamic method follows: the caller's fixed length, else max(position_ids) + 1."""
+        if not spec.length_dependent:
+            return None
+        return state.frozen_length or int(position_ids.max()) + 1
+
+    for _, module in modules:
+        install_frequencies(module, [t for t in plan if t.module is module], method, length)
+    native = all([  # a list, not a generator: every config is written
+        write_config(config, [t for t in plan if t.module.config is config], method, params, snapshot)
+        for config, snapshot in state.config_snapshots.values()
+    ])
+    state.generate_snapshot = _install_generate(model)
+    setattr(model, STATE_ATTR, state)
+
+    _, attention = compute_frequencies(method, first.base, first.params, None)
+    return PatchReport(
+        method=method,
+        params=first.params,
+        label=method_label(method, params),
+        modules=sorted({t.module_name for t in plan}),
+        layer_types=[t.layer_type for t in plan],
+        rope_theta=first.base.rope_theta,
+        rotary_dim=first.base.dim,
+        native_length=first.base.native_length,
+        context_length=spec.context_length(first.base, first.params),
+        attention_factor=attention,
+        saved_as=(
+            f"rope_type={spec.rope_parameters(first.base, first.params)['rope_type']} (plain from_pretrained reloads it)"
+            if native
+            else f"base RoPE + 'rope_patch' key: {type(first.module.config).__name__} has no {method} "
+            "(reload with rope_patch.from_pretrained)"
+        ),
+        replaced=replaced,
+    )
+
+
+def unpatch(model: nn.Module) -> bool:
+    """Restore the exact original rotary modules, config and ``generate``; False if the model was not patched."""
+    state = patch_state(model)
+    if state is None:
+        return False
+    for snapshot in state.module_snapshots.values():
+        restore_module(snapshot)
+    for config, snapshot in state.config_snapshots.values():
+        restore_config(config, snapshot)
+    if state.generate_snapshot is MISSING:
+        model.__dict__.pop("generate", None)
+    else:
+        model.generate = state.generate_snapshot
+    delattr(model, STATE_ATTR)
+    return True
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, method: str, **params: Any) -> Iterator[PatchReport]:
+    """``with patched(model, "yarn", factor=4): ...`` — patch for the block, then restore whatever was there."""
+    previous = current_patch(model)
+    report = patch(model, method, **params)
+    try:
+        yield report
+    finally:
+        unpatch(model)
+        if previous is not None:
+            patch(model, previous["method"], layer_types=previous["layer_types"], **previous["params"])
+
+
+def current_patch(model: nn.Module) -> dict[str, Any] | None:
+    """``{"method", "params", "label", "layer_types"}`` of the patch applied now, or None."""
+    state = patch_state(model)
+    if state is None:
+        return None
+    layer_types = [t.layer_type for t in state.targets]
+    return {
+        "method": state.method,
+        "params": dict(state.given),
+        "label": method_label(state.method, state.given),
+        "layer_types": layer_types if any(layer_types) else None,
+    }
+
+
+def restore_saved_patch(model: nn.Module) -> PatchReport | None:
+    """Re-apply the patch a rope_patch checkpoint records in its config (exactly once, never on top of itself)."""
+    for _, module in find_rotary_modules(model):
+        record = saved_patch(module.config)
+        if record is not None and "method" in record:
+            return patch(model, record["method"], layer_types=record.get("layer_types"), **record.get("params", {}))
+    return None
+
+
+@contextlib.contextmanager
+def fixed_length(model: nn.Module, length: int) -> Iterator[None]:
+    """Inside the block, dynamic methods compute their frequencies for ``length`` tokens on every forward.
+
+    Why: with a KV cache, keys computed earlier keep the rotation they were given. If a dynamic method changed its
+    frequencies as the sequence grew (transformers issue #25104), cached keys and new queries would disagree and cached
+    generation would differ from a full recompute. Fixing the length for a whole generate call (patched models'
+    ``generate`` does this with prompt + max_new_tokens) keeps them consistent. The trade-off: the prompt is encoded
+    with the scale of the final length rather than its own, exactly what a full recompute at the final length sees.
+    """
+    state = patch_state(model)
+    if state is None:
+        yield
+        return
+    previous, state.frozen_length = state.frozen_length, int(length)
+    try:
+        yield
+    finally:
+        state.frozen_length = previous
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate: one length for the whole call.
+
+
+def _final_length(model: nn.Module, args: tuple, kwargs: dict) -> int | None:
+    """prompt + max_new_tokens (or max_length) of a generate call: the longest sequence it can build."""
+    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if inputs is None and kwargs.get("inputs_embeds") is not None:
+        inputs = kwargs["inputs_embeds"][..., 0]
+    if not torch.is_tensor(inputs):
+        return None
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if max_new is not None:
+        return int(inputs.shape[-1]) + int(max_new)
+    max_length = kwargs.get("max_length", getattr(config, "max_length", None))
+    return int(max_length) if max_length is not None else None
+
+
+def _install_generate(model: nn.Module) -> Any:
+    previous = model.__dict__.get("generate", MISSING)
+    inner = model.generate
+
+    @functools.wraps(inner)
+    def generate(*args, **kwargs):
+        state = patch_state(model)
+        total = _final_length(model, args, kwargs)
+        if state is None or state.frozen_length is not None or total is None:
+            return inner(*args, **kwargs)
+        with fixed_length(model, total):
+            return inner(*args, **kwargs)
+
+    model.generate = generate
+    return previous

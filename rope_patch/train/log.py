@@ -1,0 +1,60 @@
+"""The training log: ``step=N loss=X lr=Y tok/s=Z`` lines, OUTPUT/train_log.csv, and TensorBoard when installed."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from accelerate.utils import is_tensorboard_available
+from tqdm.auto import tqdm
+
+LOG_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "tokens_seen", "elapsed_s")
+
+
+class TrainingLog:
+    """``step=N loss=X lr=Y tok/s=Z`` lines on stdout, the same figures in OUTPUT/train_log.csv (and TensorBoard
+    when installed). On resume, rows past the checkpoint's step (logged before the run died) are dropped."""
+
+    def __init__(self, output: Path, accelerator, resume_step: int = 0):
+        self.accelerator = accelerator
+        self.path = output / "train_log.csv"
+        self.tokens_seen, self.elapsed = 0, 0.0
+        self.file = None
+        if not accelerator.is_main_process:
+            return
+        output.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step and self.path.is_file():
+            with open(self.path, newline="") as f:
+                kept = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
+            if kept:
+                self.tokens_seen, self.elapsed = int(kept[-1]["tokens_seen"]), float(kept[-1]["elapsed_s"])
+        self.file = open(self.path, "w", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=LOG_COLUMNS)
+        self.writer.writeheader()
+        self.writer.writerows(kept)
+        self.file.flush()
+        if accelerator.log_with:
+            accelerator.init_trackers("finetune")
+
+    def record(self, step: int, loss: float, lr: float, tokens: int, seconds: float, write: bool) -> None:
+        self.tokens_seen += tokens
+        self.elapsed += seconds
+        if not write or self.file is None:
+            return
+        row = {"step": step, "loss": f"{loss:.6f}", "lr": f"{lr:.4e}", "tokens_per_s": f"{tokens / seconds:.1f}",
+               "tokens_seen": self.tokens_seen, "elapsed_s": f"{self.elapsed:.2f}"}
+        self.writer.writerow(row)
+        self.file.flush()
+        tqdm.write(f"step={step} loss={loss:.4f} lr={lr:.3e} tok/s={tokens / seconds:.1f}")
+        if self.accelerator.log_with:
+            self.accelerator.log({"loss": loss, "lr": lr, "tokens_per_s": tokens / seconds}, step=step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def tensorboard() -> str | None:
+    """accelerate's tracker name where TensorBoard is installed, else None."""
+    return "tensorboard" if is_tensorboard_available() else None

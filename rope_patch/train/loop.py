@@ -1,0 +1,104 @@
+"""The training loop itself: one readable accelerate loop, the learning-rate schedule and the resumable progress.
+
+The same code runs on one CPU, one GPU, or many under ``accelerate launch`` (DDP, FSDP, DeepSpeed ZeRO-3). Which
+sequences a step trains on is a pure function of the step number (:mod:`rope_patch.data.packing`), so a checkpoint's
+data position is one integer and a resume reaches exactly the result of an uninterrupted run, whatever the number of
+processes, as long as the global batch is the same.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data import PackedSequences
+from ..errors import ConfigError
+from .checkpoints import save_checkpoint
+from .log import TrainingLog
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, warmup_start: float = 0.1) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based).
+
+    Warm-up rises linearly from ``warmup_start`` (PI paper: 10 %) to 1 over ``warmup_steps``; afterwards the rate is
+    constant (PI, LongLoRA), or decays to 0 at ``total_steps`` along a cosine or a straight line.
+    """
+    if step < warmup_steps:
+        return warmup_start + (1.0 - warmup_start) * step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    raise ConfigError(f"unknown --schedule {schedule!r}; use constant, cosine or linear")
+
+
+class TrainingProgress:
+    """What a checkpoint needs besides weights, optimizer, scheduler and RNG: the step (= the data position, since
+    the sequences of a step are a function of it) and the settings that must not change across a resume."""
+
+    def __init__(self, fingerprint: dict[str, Any]):
+        self.step = 0
+        self.fingerprint = fingerprint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        changed = {k: (v, self.fingerprint.get(k)) for k, v in state["fingerprint"].items() if self.fingerprint.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
+            raise ConfigError(f"cannot resume: the run's settings changed ({detail}); use the original settings")
+        self.step = int(state["step"])
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant checkpointing (needs no input gradients, so it works with frozen embeddings under LoRA)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSequences, progress: TrainingProgress,
+          log: TrainingLog) -> dict[int, float]:
+    """Run optimizer steps until ``config.steps``; each runs ``config.grad_accum`` micro-steps of ``config.batch_size``
+    sequences per process. ``config`` is the job's :class:`~rope_patch.jobs.finetune.FinetuneConfig`. Returns
+    ``{step: mean training loss}`` of the steps this call ran."""
+    ranks, rank = accelerator.num_processes, accelerator.process_index
+    tokens_per_step = config.batch_size * config.grad_accum * ranks * config.seq_len
+    losses: dict[int, float] = {}
+    bar = tqdm(total=config.steps, initial=progress.step, desc="finetune", unit="step",
+               disable=not accelerator.is_local_main_process)
+    while progress.step < config.steps:
+        step, started = progress.step, time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        step_loss = torch.zeros((), device=accelerator.device)
+        for micro in range(config.grad_accum):
+            input_ids = data.batch(step, micro, rank, ranks, config.batch_size, config.grad_accum).to(accelerator.device)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=input_ids, labels=input_ids).loss  # mean over batch x (seq_len - 1) tokens
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and config.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            step_loss += loss.detach().float() / config.grad_accum
+        scheduler.step()
+        progress.step += 1
+        losses[progress.step] = accelerator.reduce(step_loss, reduction="mean").item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[progress.step]:.4f}")
+        log.record(progress.step, losses[progress.step], lr, tokens_per_step, time.perf_counter() - started,
+                   write=progress.step % config.log_every == 0 or progress.step == config.steps)
+        if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
+            save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints)
+    bar.close()
+    return losses

@@ -1,0 +1,153 @@
+"""Generation with a KV cache agrees with recomputing the whole sequence, for every method.
+
+The oracle is a hand-written greedy loop that runs a full forward (no cache) at every step inside
+``rope_patch.fixed_length(model, prompt + max_new_tokens)``. Prompts and generations cross the tiny model's
+native length (64), where dynamic methods change their frequencies and LongRoPE switches lists: the KV-cache
+bug of transformers issue #25104 shows up exactly there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import NATIVE, build_model, tiny_llama_config
+from transformers import GenerationConfig
+
+import rope_patch
+from rope_patch.methods import available_methods
+
+PAIRS = 8  # head_dim 16 → 8 rotary pairs
+METHODS = {
+    "none": {},
+    "linear": {"factor": 2},
+    "ntk": {"factor": 2},
+    "base": {"rope_theta": 40000},
+    "dynamic_ntk": {"factor": 2},
+    "ntk_by_parts": {"factor": 2},
+    "yarn": {"factor": 2},
+    "dynamic_yarn": {},
+    "llama3": {"factor": 2},
+    "longrope": {"factor": 2, "short_factor": [1.0 + 0.1 * i for i in range(PAIRS)],
+                 "long_factor": [1.0 + 0.5 * i for i in range(PAIRS)]},
+}
+BUILT_IN = set(available_methods())  # read at import, before any test registers a method of its own
+DYNAMIC = ["dynamic_ntk", "dynamic_yarn", "longrope"]
+# (prompt length, new tokens): crossing the native length during generation, beyond it throughout, within it
+SCENARIOS = [(48, 24), (70, 8), (20, 8)]
+
+
+def _model(method: str):
+    # weights 5× the usual init scale: sharper attention, so a position error moves the logits visibly
+    model = build_model(tiny_llama_config(initializer_range=0.1), seed=0)
+    model.generation_config = GenerationConfig(do_sample=False, num_beams=1, pad_token_id=0)  # no EOS: full length
+    rope_patch.patch(model, method, **METHODS[method])
+    return model
+
+
+def _prompt(length: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (1, length), generator=generator)  # [1, length]
+
+
+def _generate(model, prompt: torch.Tensor, new_tokens: int, use_cache: bool, **kwargs):
+    with torch.no_grad():
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, use_cache=use_cache,
+            output_logits=True, return_dict_in_generate=True, **kwargs,
+        )
+    return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, dim=1)  # [1, new], [1, new, vocab]
+
+
+@torch.no_grad()
+def _recompute(model, prompt: torch.Tensor, new_tokens: int, length: int | None = None):
+    """Greedy decoding with a full forward at every step, the length dynamic methods see fixed to ``length``."""
+    ids, logits = prompt, []
+    with rope_patch.fixed_length(model, length or prompt.shape[1] + new_tokens):
+        for _ in range(new_tokens):
+            step = model(ids, use_cache=False).logits[:, -1]  # [1, vocab]
+            logits.append(step)
+            ids = torch.cat([ids, step.argmax(-1, keepdim=True)], dim=1)
+    return ids[:, prompt.shape[1]:], torch.stack(logits, dim=1)
+
+
+def _assert_same(tokens_a, logits_a, tokens_b, logits_b):
+    assert torch.equal(tokens_a, tokens_b), f"tokens differ: {tokens_a.tolist()} vs {tokens_b.tolist()}"
+    torch.testing.assert_close(logits_a, logits_b, atol=1e-4, rtol=1e-4)
+
+
+def test_every_built_in_method_is_covered():
+    assert BUILT_IN <= set(METHODS)
+
+
+@pytest.mark.parametrize("prompt_len,new_tokens", SCENARIOS)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_cached_generation_equals_uncached_and_full_recompute(method, prompt_len, new_tokens):
+    model = _model(method)
+    prompt = _prompt(prompt_len)
+    cached = _generate(model, prompt, new_tokens, use_cache=True)
+    _assert_same(*cached, *_generate(model, prompt, new_tokens, use_cache=False))
+    _assert_same(*cached, *_recompute(model, prompt, new_tokens))
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["max_new_tokens", "max_length", "generation_config", "model_generation_config"],
+)
+@pytest.mark.parametrize("method", DYNAMIC)
+def test_the_generation_length_is_read_however_it_is_given(method, how):
+    model = _model(method)
+    prompt, new_tokens = _prompt(48), 24
+    if how == "max_new_tokens":
+        kwargs = {"max_new_tokens": new_tokens}
+    elif how == "max_length":
+        kwargs = {"max_length": 48 + new_tokens}
+    elif how == "generation_config":
+        kwargs = {"generation_config": GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)}
+    else:
+        model.generation_config.max_new_tokens = new_tokens
+        kwargs = {}
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), output_logits=True,
+                             return_dict_in_generate=True, **kwargs)
+    tokens, logits = out.sequences[:, 48:], torch.stack(out.logits, dim=1)
+    _assert_same(tokens, logits, *_recompute(model, prompt, new_tokens))
+
+
+@pytest.mark.parametrize("method", DYNAMIC)
+def test_generate_inside_fixed_length_keeps_the_callers_length(method):
+    model = _model(method)
+    prompt = _prompt(48)
+    with rope_patch.fixed_length(model, 200):
+        cached = _generate(model, prompt, 24, use_cache=True)
+    _assert_same(*cached, *_recompute(model, prompt, 24, length=200))
+
+
+@pytest.mark.parametrize("method", DYNAMIC)
+def test_generate_leaves_no_fixed_length_behind(method):
+    model = _model(method)
+    long_input = _prompt(100, seed=2)
+    with torch.no_grad():
+        before = model(long_input).logits
+        _generate(model, _prompt(48), 24, use_cache=True)
+        after = model(long_input).logits
+    torch.testing.assert_close(before, after, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("method", DYNAMIC)
+def test_a_naive_cache_would_disagree(method):
+    """Why the fix is needed: without a fixed length, keys cached while the sequence was short keep the old
+    frequencies and the logits drift from a full recompute once the native length is crossed."""
+    model = _model(method)
+    prompt, new_tokens = _prompt(48), 24
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        cache, ids, drift = out.past_key_values, prompt, 0.0
+        for _ in range(new_tokens):
+            step = out.logits[:, -1]
+            full = model(ids, use_cache=False).logits[:, -1]  # recompute at the current length
+            drift = max(drift, (step - full).abs().max().item())
+            ids = torch.cat([ids, step.argmax(-1, keepdim=True)], dim=1)
+            out = model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+    assert ids.shape[1] > NATIVE
+    assert drift > 0.1  # a thousand times the tolerance the tests above allow
