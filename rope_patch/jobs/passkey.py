@@ -11,34 +11,28 @@ from tqdm.auto import tqdm
 from ..eval.passkey import KEY_FIELDS, check_grid, evaluate_passkey
 from ..eval.passkey_report import format_table, write_reports
 from ..eval.store import ResultStore
-from ..eval.sweep import AS_LOADED, method_entries
+from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import DTYPE_CHOICES, DTYPE_HELP, METHOD_HELP, MODEL_HELP, load_for_job, split_loaded
-from .options import JobConfig, option
+from .common import SweepConfig, load_for_job, split_loaded
+from .options import option
 
 
 @dataclass
-class PasskeyConfig(JobConfig):
+class PasskeyConfig(SweepConfig):
     """Every choice of a passkey run. Field names are the ``rope-patch passkey`` options and the YAML keys."""
 
     command: ClassVar[str] = "passkey"
 
-    model: str | None = option(None, MODEL_HELP)
-    method: list[str] = option([AS_LOADED], METHOD_HELP, repeat=True, split=False, metavar="SPEC")
     lengths: list[int] = option([4096, 8192, 16384], "prompt lengths in tokens, e.g. 4096,8192,16k", tokens=True)
     depths: list[float] = option([0.0, 0.25, 0.5, 0.75, 1.0], "key depths as fractions of the filler, 0 = start, 1 = end")
     trials: int = option(5, "trials (random keys) per length × depth")
     seed: int = option(0, "seed of the random keys")
     max_new_tokens: int = option(8, "tokens generated per answer")
-    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_CHOICES)
-    attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
-                                                   "flash_attention_2 on a GPU where installed)")
     output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots "
                                                 "(none from Python with output=None)")
-    progress: bool = option(True, "show a progress bar")
 
     def validate(self) -> None:
-        method_entries(None, self.method)  # a typo fails before the model loads
+        super().validate()
         check_grid(self.lengths, self.depths, self.trials, self.max_new_tokens)
 
 

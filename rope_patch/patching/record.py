@@ -9,14 +9,12 @@ from the unscaled base (methods never compound).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
-from transformers.utils import logging as transformers_logging
 
+from ..hub import quiet_transformers
 from ..methods import RopeBase, get_method, method_label
 from .rotary import MISSING, RotaryTarget, layer_rope_parameters, rebuild_module
 
@@ -131,14 +129,3 @@ def write_config(config, targets: list[RotaryTarget], method: str, given: dict, 
         "original": original,
     })
     return native
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' warnings while probing whether a config class accepts a method."""
-    level = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers_logging.set_verbosity(level)
