@@ -7,6 +7,10 @@ Protocols (named in every record and output):
 * ``sliding``: windows of L tokens advance by ``stride``; each token is scored once, by the first window that ends at
   or after it, so it sees between L − stride and L − 1 tokens of context (the PI paper's S = 256). Every window is
   exactly L tokens long: the last one ends at the document's end.
+* ``disjoint``: lm-evaluation-harness's rolling log-likelihood, token for token. Windows of L input tokens, each
+  scoring L tokens: the first is ``[BOS] + L − 1 document tokens`` predicting the first L document tokens; each next
+  window starts one token before the first token it predicts (its only context from the past), and the last one
+  ends at the document's end, its extra context overlapping the window before.
 
 BOS is explicit: with a BOS id every window is ``[BOS] + L − 1 document tokens`` and all of them are scored;
 without, the window is L document tokens and its first token, having no context, is not scored.
@@ -37,7 +41,7 @@ from ..patching import fixed_length
 from .store import ResultStore, record_key
 from .sweep import MethodEntry, MethodSpec, applied, group_by, method_entries
 
-PROTOCOLS = ("truncate", "sliding")
+PROTOCOLS = ("truncate", "sliding", "disjoint")
 KEY_FIELDS = ("setup", "method", "length", "protocol", "stride", "document")
 POSITION_BINS = 128  # the loss-by-position curve keeps this many bins per length
 OOM_HINT = "try --dtype bf16, fewer or shorter --lengths, or more GPUs (accelerate launch)"
@@ -48,12 +52,16 @@ OOM_HINT = "try --dtype bf16, fewer or shorter --lengths, or more GPUs (accelera
 
 @dataclass(frozen=True)
 class Window:
-    """Document tokens ``[start, end)`` go into one forward; tokens ``[scored_from, end)`` are scored."""
+    """Document tokens ``[start, end)``, after a BOS token with ``bos``, go into one forward; tokens
+    ``[scored_from, end)`` are scored, and with ``next_token`` the token right after the window too (predicted by its
+    last position, as lm-eval does)."""
 
     document: int  # index into the evaluated documents
     start: int
     end: int
     scored_from: int
+    next_token: bool = False
+    bos: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,20 +93,39 @@ class Protocol:
                 raise ConfigError("the sliding protocol needs a positive --stride (the PI paper uses 256)")
             if self.stride >= min(lengths) - int(self.bos):  # each window's first scored token needs context in it
                 raise ConfigError(f"stride {self.stride} must be smaller than the shortest window ({min(lengths)} "
-                                  f"tokens{', BOS included' if self.bos else ''}); use a smaller --stride, e.g. 256")
+                                  f"tokens{', BOS included' if self.bos else ''}); use a smaller --stride, e.g. 256, "
+                                  "or --protocol disjoint for windows that do not overlap (lm-eval's)")
+
+    def min_tokens(self, length: int) -> int:
+        """Document tokens a document needs to be scored at ``length``."""
+        return length - int(self.bos) + int(self.name == "disjoint")
 
     def windows(self, document: int, n_tokens: int, length: int) -> list[Window]:
         """The windows of one document at ``length`` (BOS included), or none if the document is too short."""
         span = length - int(self.bos)  # document tokens per window
-        if n_tokens < span:
+        if n_tokens < self.min_tokens(length):
             return []
-        first = Window(document, 0, span, 0 if self.bos else 1)
+        if self.name == "disjoint":
+            return self._disjoint_windows(document, n_tokens, length)
+        first = Window(document, 0, span, 0 if self.bos else 1, bos=self.bos)
         if self.name == "truncate":
             return [first]
         ends = list(range(span, n_tokens + 1, self.stride))
         if ends[-1] != n_tokens:
             ends.append(n_tokens)
-        return [first] + [Window(document, end - span, end, previous) for previous, end in zip(ends, ends[1:])]
+        return [first] + [Window(document, end - span, end, previous, bos=self.bos)
+                          for previous, end in zip(ends, ends[1:])]
+
+    def _disjoint_windows(self, document: int, n_tokens: int, length: int) -> list[Window]:
+        """lm-eval's ``get_rolling_token_windows(context_len=1)`` made disjoint: every document token scored once. Only
+        the first window starts with BOS; the others are L document tokens."""
+        first = Window(document, 0, length - int(self.bos), 0 if self.bos else 1, next_token=True, bos=self.bos)
+        windows, scored = [first], first.end + 1  # the next document token to score
+        while scored < n_tokens:
+            stop = min(n_tokens, scored + length)  # predict [scored, stop) from the L tokens before stop
+            windows.append(Window(document, stop - length - 1, stop - 1, scored, next_token=True))
+            scored = stop
+        return windows
 
     def describe(self) -> str:
         return describe_protocol(self.name, self.effective_stride, self.bos)
@@ -106,7 +133,8 @@ class Protocol:
 
 def describe_protocol(name: str, stride: int | None, bos: bool) -> str:
     """How the numbers were obtained, in words, for every output."""
-    how = f"sliding window, stride {stride}" if name == "sliding" else "truncate (first L tokens, one forward)"
+    how = {"sliding": f"sliding window, stride {stride}", "truncate": "truncate (first L tokens, one forward)",
+           "disjoint": "disjoint windows of L tokens (lm-eval's rolling log-likelihood)"}[name]
     return f"protocol {how}; BOS {'prepended to every window' if bos else 'not added'}; token-weighted perplexity"
 
 
@@ -131,15 +159,22 @@ def bootstrap_interval(
 
 @torch.no_grad()
 def window_nll(model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[int], *,
-               loss_chunk: int = 1024) -> list[torch.Tensor]:
-    """Per-token NLL (float32) of positions ``scored_from[b]`` … L−1 of each row of ``input_ids`` (B, L): the decoder
-    runs to its last hidden state, and only the rows that predict a scored token go through the output head."""
+               next_tokens: Sequence[int | None] | None = None, loss_chunk: int = 1024) -> list[torch.Tensor]:
+    """Per-token NLL (float32) of positions ``scored_from[b]`` … L−1 of each row of ``input_ids`` (B, L), then of
+    ``next_tokens[b]`` (the token after the row, predicted by its last position) where one is given. The decoder runs
+    to its last hidden state, and only the positions that predict a scored token go through the output head."""
     decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, H)
-    states = torch.cat([hidden[b, s - 1 : -1] for b, s in enumerate(scored_from)])  # (N, H)
-    targets = torch.cat([input_ids[b, s:] for b, s in enumerate(scored_from)])  # (N,)
-    nll = token_nll(head, states, targets, chunk=loss_chunk, softcap=logit_softcap(model))
-    return list(nll.split([input_ids.shape[1] - s for s in scored_from]))
+    next_tokens = next_tokens or [None] * len(scored_from)
+    length = input_ids.shape[1]
+    states, targets = [], []
+    for b, (s, following) in enumerate(zip(scored_from, next_tokens)):
+        last = length if following is not None else length - 1  # hidden states up to here predict a scored token
+        states.append(hidden[b, s - 1 : last])  # (n_b, H)
+        targets.append(input_ids[b, s:] if following is None else
+                       torch.cat([input_ids[b, s:], input_ids.new_tensor([following])]))  # (n_b,)
+    nll = token_nll(head, torch.cat(states), torch.cat(targets), chunk=loss_chunk, softcap=logit_softcap(model))
+    return list(nll.split([t.shape[0] for t in targets]))
 
 
 @torch.no_grad()
@@ -304,13 +339,12 @@ class _Sweep:
         if not windows:
             return []
         device = next(self.model.parameters()).device
-        rows = [self.documents[w.document].ids[w.start : w.end] for w in windows]
-        ids = torch.as_tensor(np.stack(rows).astype(np.int64), device=device)  # (B, span)
-        if self.protocol.bos:
-            ids = torch.cat([torch.full((len(rows), 1), self.protocol.bos_id, dtype=ids.dtype, device=device), ids], 1)
-        offset = int(self.protocol.bos)
-        return window_nll(self.model, ids, [w.scored_from - w.start + offset for w in windows],
-                          loss_chunk=self.loss_chunk)
+        rows = [np.concatenate([[self.protocol.bos_id] * w.bos, self.documents[w.document].ids[w.start : w.end]])
+                for w in windows]
+        ids = torch.as_tensor(np.stack(rows).astype(np.int64), device=device)  # (B, L)
+        following = [int(self.documents[w.document].ids[w.end]) if w.next_token else None for w in windows]
+        return window_nll(self.model, ids, [w.scored_from - w.start + w.bos for w in windows],
+                          next_tokens=following, loss_chunk=self.loss_chunk)
 
 
 def _window_stats(nll: torch.Tensor, length: int, bin_width: int, n_bins: int) -> dict:

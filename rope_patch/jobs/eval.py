@@ -36,7 +36,9 @@ class EvalConfig(SweepConfig):
     subset: str | None = option(None, "configuration name of a hub data set, if it has several")
     text_field: str = option("text", "field holding the text in .jsonl/.parquet/hub rows")
     protocol: str = option("truncate", "truncate: first L tokens of each document, one forward; sliding: windows of "
-                                       "L tokens advancing by --stride, each token scored once", choices=PROTOCOLS)
+                                       "L tokens advancing by --stride, each token scored once; disjoint: "
+                                       "lm-evaluation-harness's rolling windows (use --bos yes to match its numbers)",
+                           choices=PROTOCOLS)
     stride: int = option(256, "stride of the sliding protocol")
     documents: int | None = option(None, "evaluate this many documents, sampled with --seed (default: all long enough)")
     seed: int = option(0, "seed of the document sample")
@@ -100,7 +102,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
     protocol = config.protocol_with(resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
     protocol.check(config.lengths)
-    chosen, skipped = select_documents(tokenized, max(config.lengths) - int(protocol.bos), config.documents,
+    chosen, skipped = select_documents(tokenized, protocol.min_tokens(max(config.lengths)), config.documents,
                                        seed=config.seed)
     probe = torch.as_tensor(chosen[0].ids[:64].astype(np.int64), device=next(model.parameters()).device)[None]
     check_chunked_loss(model, probe if not protocol.bos else torch.cat([probe.new_full((1, 1), protocol.bos_id), probe], 1))

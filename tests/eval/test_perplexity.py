@@ -65,13 +65,53 @@ def test_chunked_loss_scores_only_the_asked_positions(tiny_llama):
 
 def test_windows_by_hand():
     assert plan_windows(0, 10, 4, "truncate", None, bos=False) == [Window(0, 0, 4, 1)]
-    assert plan_windows(0, 10, 4, "truncate", None, bos=True) == [Window(0, 0, 3, 0)]
+    assert plan_windows(0, 10, 4, "truncate", None, bos=True) == [Window(0, 0, 3, 0, bos=True)]
     assert plan_windows(0, 3, 4, "truncate", None, bos=False) == []
     # every token but the first scored once; each window 4 tokens, the last one ends at the document's end
     assert plan_windows(7, 11, 4, "sliding", 3, bos=False) == [
         Window(7, 0, 4, 1), Window(7, 3, 7, 4), Window(7, 6, 10, 7), Window(7, 7, 11, 10)]
     # with BOS: 3 document tokens per window, all scored (the first from BOS alone)
-    assert plan_windows(0, 6, 4, "sliding", 2, bos=True) == [Window(0, 0, 3, 0), Window(0, 2, 5, 3), Window(0, 3, 6, 5)]
+    assert plan_windows(0, 6, 4, "sliding", 2, bos=True) == [
+        Window(0, 0, 3, 0, bos=True), Window(0, 2, 5, 3, bos=True), Window(0, 3, 6, 5, bos=True)]
+    # disjoint with BOS: [BOS] + 3 tokens scoring 4; then 4 tokens scoring the next 4; the last overlaps for context
+    assert plan_windows(0, 10, 4, "disjoint", None, bos=True) == [
+        Window(0, 0, 3, 0, next_token=True, bos=True), Window(0, 3, 7, 4, next_token=True),
+        Window(0, 5, 9, 8, next_token=True)]
+    # without BOS the first token has no context: 4 tokens score the next 4 from the second on
+    assert plan_windows(0, 9, 4, "disjoint", None, bos=False) == [
+        Window(0, 0, 4, 1, next_token=True), Window(0, 4, 8, 5, next_token=True)]
+    assert plan_windows(0, 3, 4, "disjoint", None, bos=True) == []  # a window needs 4 document tokens
+
+
+@pytest.mark.parametrize("n_tokens", [4, 5, 7, 8, 9, 31, 33, 100])
+def test_disjoint_windows_are_lm_evals_rolling_windows(n_tokens):
+    """Token for token what lm-eval's loglikelihood_rolling feeds the model: its windows made disjoint, and the model
+    input HFLM builds from each, ``(context + continuation)[-(L + 1):][:-1]``."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    length, bos, tokens = 4, -1, list(range(100, 100 + n_tokens))
+    theirs = [((context + scored)[-(length + 1):][:-1], scored) for context, scored in map(
+        make_disjoint_window, get_rolling_token_windows(tokens, prefix_token=bos, max_seq_len=length, context_len=1))]
+    ours = [([bos] * w.bos + tokens[w.start : w.end], tokens[w.scored_from : w.end + w.next_token])
+            for w in Protocol("disjoint", bos_id=bos).windows(0, n_tokens, length)]
+    assert ours == theirs
+
+
+def test_disjoint_perplexity_equals_lm_evals_rolling_loglikelihood(tiny_llama, char_tokenizer):
+    """The same document through lm-eval's HFLM (the patched model object, max_length = L) and through `evaluate`."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    text = "".join(chr(c) for c in np.random.default_rng(0).integers(32, 127, 150))
+    ids = char_tokenizer(text, add_special_tokens=False)["input_ids"]
+    document = TokenizedDocument("doc", np.asarray(ids, np.int32))
+    rope_patch.patch(tiny_llama, "yarn", factor=2)
+    lm = HFLM(pretrained=tiny_llama, tokenizer=char_tokenizer, max_length=32, batch_size=1)
+    (theirs,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    (ours,), _ = evaluate(tiny_llama, [document], ["as-loaded"], [32], Protocol("disjoint", bos_id=lm.prefix_token_id),
+                          progress=False)
+    assert ours["tokens"] == len(ids) and ours["windows"] == 5
+    assert -ours["nll"] == pytest.approx(theirs, rel=1e-6)
 
 
 @pytest.mark.parametrize("bos_id", [None, 1])
