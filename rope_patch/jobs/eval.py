@@ -37,14 +37,14 @@ class EvalConfig(SweepConfig):
     text_field: str = option("text", "field holding the text in .jsonl/.parquet/hub rows")
     protocol: str = option("truncate", "truncate: first L tokens of each document, one forward; sliding: windows of "
                                        "L tokens advancing by --stride, each token scored once; disjoint: "
-                                       "lm-evaluation-harness's rolling windows (use --bos yes to match its numbers)",
+                                       "lm-evaluation-harness's rolling windows, the number lm-eval reports",
                            choices=PROTOCOLS)
     stride: int = option(256, "stride of the sliding protocol")
     documents: int | None = option(None, "evaluate this many documents, sampled with --seed (default: all long enough)")
     seed: int = option(0, "seed of the document sample")
     batch_size: int = option(1, "windows per forward")
-    bos: str = option("auto", "start every window with the BOS token: auto follows the tokenizer",
-                      choices=tuple(BOS_CHOICES))
+    bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer, and under the disjoint "
+                              "protocol uses lm-eval's prefix token (BOS, else EOS)", choices=tuple(BOS_CHOICES))
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots "
                                              "(none from Python with output=None)")
@@ -59,6 +59,13 @@ class EvalConfig(SweepConfig):
 
     def protocol_with(self, bos_id: int | None) -> Protocol:
         return Protocol(self.protocol, self.stride, bos_id)
+
+    def window_prefix(self, tokenizer) -> int | None:
+        """The token id that starts windows, or None. ``--bos auto`` follows the tokenizer (does it add BOS?), except
+        under ``disjoint``, where it is lm-eval's prefix token, so the number equals lm-eval's without extra flags."""
+        if self.protocol == "disjoint" and self.bos == "auto":
+            return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        return resolve_bos(tokenizer, BOS_CHOICES[self.bos])
 
 
 @dataclass
@@ -100,7 +107,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     model = loaded.model
     with accelerator.main_process_first():
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
-    protocol = config.protocol_with(resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
+    protocol = config.protocol_with(config.window_prefix(loaded.tokenizer))
     protocol.check(config.lengths)
     chosen, skipped = select_documents(tokenized, protocol.min_tokens(max(config.lengths)), config.documents,
                                        seed=config.seed)

@@ -97,6 +97,18 @@ def test_disjoint_windows_are_lm_evals_rolling_windows(n_tokens):
     assert ours == theirs
 
 
+@pytest.mark.parametrize("bos_token, expected", [("<s>", 1), (None, 2)])
+def test_disjoint_windows_start_with_lm_evals_prefix_token_by_default(bos_token, expected):
+    """--bos auto under disjoint: BOS where the tokenizer has one, else EOS (lm-eval's prefix_token_id)."""
+    from tiny_models import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    tokenizer.bos_token = bos_token
+    assert EvalConfig(protocol="disjoint").window_prefix(tokenizer) == expected
+    assert EvalConfig(protocol="truncate").window_prefix(tokenizer) is None  # the tokenizer adds no BOS
+    assert EvalConfig(protocol="disjoint", bos="no").window_prefix(tokenizer) is None
+
+
 def test_disjoint_perplexity_equals_lm_evals_rolling_loglikelihood(tiny_llama, char_tokenizer):
     """The same document through lm-eval's HFLM (the patched model object, max_length = L) and through `evaluate`."""
     from lm_eval.api.instance import Instance
