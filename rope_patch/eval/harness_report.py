@@ -96,6 +96,8 @@ def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
             ax.plot(*zip(*points), marker="osD^vP*X"[i % 8], fillstyle="none", markersize=max(4, 11 - 2 * i),
                     linewidth=1.2, label=method)
         length_axis(ax, [r["length"] for r in cell], native_length=native_length)
+        if all(0 <= r["value"] <= 1 for r in cell):  # accuracies and RULER scores: the whole range
+            ax.set_ylim(-0.05, 1.05)
         ax.set_title(f"{task} · {metric}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
