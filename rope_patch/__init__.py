@@ -1,7 +1,8 @@
 """rope_patch: extend the context window of a RoPE transformers model.
 
 Patch its rotary embedding in place (linear, NTK, YaRN, ...), reversibly; evaluate perplexity and passkey retrieval
-at long lengths; fine-tune an extended checkpoint that reloads anywhere with the right scaling.
+at long lengths, or with any lm-evaluation-harness task; fine-tune an extended checkpoint that reloads anywhere with the
+right scaling.
 
     >>> import rope_patch
     >>> model, tokenizer = rope_patch.load_default_model()
@@ -14,6 +15,7 @@ from .errors import (
     ConfigError,
     DataError,
     InvalidParameterError,
+    MissingExtraError,
     ModelNotFoundError,
     RopePatchError,
     UnknownMethodError,
@@ -25,9 +27,11 @@ from .jobs import (
     EvalConfig,
     FinetuneConfig,
     InspectConfig,
+    LmEvalConfig,
     PasskeyConfig,
     run_eval,
     run_inspect,
+    run_lm_eval,
     run_passkey,
 )
 from .jobs.finetune import finetune
@@ -38,9 +42,10 @@ from .patching import PatchReport, current_patch, fixed_length, native_length, p
 __version__ = "0.2.0"
 
 __all__ = [
-    "ConfigError", "DataError", "EvalConfig", "FinetuneConfig", "InspectConfig", "InvalidParameterError", "Method",
-    "ModelNotFoundError", "Param", "PasskeyConfig", "PatchReport", "RopeBase", "RopePatchError", "UnknownMethodError",
-    "UnsupportedModelError", "available_methods", "current_patch", "evaluate", "evaluate_passkey", "finetune",
-    "fixed_length", "from_pretrained", "load_default_model", "load_model", "method_label", "native_length",
-    "parse_method_spec", "patch", "patched", "register_method", "run_eval", "run_inspect", "run_passkey", "unpatch",
+    "ConfigError", "DataError", "EvalConfig", "FinetuneConfig", "InspectConfig", "InvalidParameterError", "LmEvalConfig",
+    "Method", "MissingExtraError", "ModelNotFoundError", "Param", "PasskeyConfig", "PatchReport", "RopeBase",
+    "RopePatchError", "UnknownMethodError", "UnsupportedModelError", "available_methods", "current_patch", "evaluate",
+    "evaluate_passkey", "finetune", "fixed_length", "from_pretrained", "load_default_model", "load_model",
+    "method_label", "native_length", "parse_method_spec", "patch", "patched", "register_method", "run_eval",
+    "run_inspect", "run_lm_eval", "run_passkey", "unpatch",
 ]

@@ -32,3 +32,7 @@ class DataError(RopePatchError):
 
 class ConfigError(RopePatchError):
     """A YAML config or command-line value that cannot be used."""
+
+
+class MissingExtraError(RopePatchError):
+    """An optional extra that a feature needs is not installed; the message names the pip command."""

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .plots import length_axis, new_figure, prepare_path, save_figure, write_csv
+from .plots import file_stem, length_axis, new_figure, prepare_path, save_figure, write_csv
 
 CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy")
 
@@ -124,10 +124,6 @@ def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native
     return save_figure(fig, path)
 
 
-def _file_stem(method: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in method.replace(":", "_").replace("=", "")).strip("_")
-
-
 def write_reports(records: Sequence[dict], output_dir: str | Path, *, settings: dict | None = None,
                   native_length: int | None = None) -> dict[str, Path]:
     """Write summary.csv, summary.json, accuracy_vs_length.png, a heatmap per method and heatmaps.png (all of them)
@@ -141,5 +137,5 @@ def write_reports(records: Sequence[dict], output_dir: str | Path, *, settings: 
     methods = list(dict.fromkeys(r["method"] for r in records))
     files["heatmaps"] = plot_heatmaps(records, out / "heatmaps.png", methods)
     for method in methods:
-        files[f"heatmap {method}"] = plot_heatmaps(records, out / f"heatmap_{_file_stem(method)}.png", [method])
+        files[f"heatmap {method}"] = plot_heatmaps(records, out / f"heatmap_{file_stem(method)}.png", [method])
     return files

@@ -21,6 +21,11 @@ def prepare_path(path: str | Path) -> Path:
     return path
 
 
+def file_stem(label: str) -> str:
+    """A method label as a file or folder name: ``yarn:factor=2`` → ``yarn_factor2``."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label.replace(":", "_").replace("=", "")).strip("_")
+
+
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path, fields: Sequence[str]) -> Path:
     """One row per entry, in the given column order."""
     path = prepare_path(path)
@@ -31,11 +36,11 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path, fields: Seque
     return path
 
 
-def new_figure(width: float = 7.0, height: float = 4.5, columns: int = 1) -> tuple[Figure, list]:
-    """A figure and its ``columns`` axes side by side."""
+def new_figure(width: float = 7.0, height: float = 4.5, columns: int = 1, rows: int = 1) -> tuple[Figure, list]:
+    """A figure and its ``rows`` × ``columns`` axes, as one list row by row."""
     fig = Figure(figsize=(width, height))
-    axes = fig.subplots(1, columns, squeeze=False)[0]
-    return fig, list(axes)
+    axes = fig.subplots(rows, columns, squeeze=False)
+    return fig, [ax for row in axes for ax in row]
 
 
 def length_axis(ax, lengths: Sequence[int], *, native_length: int | None = None,

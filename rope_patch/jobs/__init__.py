@@ -7,6 +7,7 @@ verb        config               run function         what it does
 inspect     InspectConfig        run_inspect          a model's RoPE pair by pair, before and after a method
 eval        EvalConfig           run_eval             perplexity of methods × lengths, resumable, tables and plots
 passkey     PasskeyConfig        run_passkey          passkey retrieval of methods × lengths × depths
+lm-eval     LmEvalConfig         run_lm_eval          any lm-evaluation-harness task (RULER, ...) per method
 finetune    FinetuneConfig       finetune             train an extended checkpoint (full or LoRA, accelerate)
 ==========  ===================  ===================  ==========================================================
 """
@@ -21,6 +22,7 @@ from .eval import EvalConfig, EvalResult, run_eval
 from .finetune import FinetuneConfig, FinetuneResult
 from .finetune import finetune as run_finetune  # the module keeps the name `finetune`
 from .inspect import InspectConfig, InspectResult, run_inspect
+from .lm_eval import LmEvalConfig, LmEvalResult, run_lm_eval
 from .options import JobConfig
 from .passkey import PasskeyConfig, PasskeyResult, run_passkey
 
@@ -59,6 +61,18 @@ JOBS: dict[str, Job] = {
         "and every method sees the same prompts. Each trial is saved the moment it finishes: rerun the same command "
         "to resume.",
         "rope-patch passkey --method none --method yarn:factor=2 --lengths 4096,8192,16k --trials 5"),
+    "lm-eval": Job(
+        LmEvalConfig, run_lm_eval, "any lm-evaluation-harness task (RULER, LongBench, ...) on the model patched with "
+        "each method",
+        "Load the model once, patch in each method, and hand the patched model object to lm-evaluation-harness "
+        "(HFLM + simple_evaluate) for --tasks: built-in tasks, or YAML files of your own under --include-path. Writes "
+        "lm-eval's own results JSON per method (OUTPUT/<method>/<model>/results_<date>.json, read by lm-eval's "
+        "tooling), a summary of method x task x metric (x length) and a plot of score against length. --metadata "
+        "'{\"max_seq_lengths\": [...]}' makes a length sweep (RULER): each length is its own run, with max_length "
+        "equal to it and --limit counted per length. Each finished (method, task, length) is saved at once: rerun "
+        "the same command to resume. Needs the lm-eval extra: pip install \"rope-patch[lm-eval]\".",
+        "rope-patch lm-eval --method none --method yarn:factor=2 --tasks niah_single_1,ruler_vt "
+        "--metadata '{\"max_seq_lengths\": [4096, 8192]}' --limit 5"),
     "finetune": Job(
         FinetuneConfig, run_finetune, "fine-tune a patched model at a longer context (full or LoRA; one device or many)",
         "Patch the model's RoPE with --method, train it on sequences of exactly --seq-len tokens (documents joined by "
@@ -71,5 +85,6 @@ JOBS: dict[str, Job] = {
 
 __all__ = [
     "JOBS", "EvalConfig", "EvalResult", "FinetuneConfig", "FinetuneResult", "InspectConfig", "InspectResult", "Job",
-    "JobConfig", "PasskeyConfig", "PasskeyResult", "run_eval", "run_finetune", "run_inspect", "run_passkey",
+    "JobConfig", "LmEvalConfig", "LmEvalResult", "PasskeyConfig", "PasskeyResult", "run_eval", "run_finetune",
+    "run_inspect", "run_lm_eval", "run_passkey",
 ]

@@ -1,0 +1,273 @@
+"""Any lm-evaluation-harness task on a patched model: the bridge between a methods sweep and lm-eval.
+
+lm-eval scores a model object as readily as a checkpoint (``HFLM(pretrained=model)``), so a method that no config can
+express (dynamic scaling, a method registered by the user) is evaluated as it runs, with nothing saved. Each method is
+patched in once (:mod:`.sweep`); per task the patched model is wrapped in ``HFLM`` and handed to ``simple_evaluate``.
+Each run writes lm-eval's own results file, ``OUTPUT/<method>/<model>/results_<date>.json``: the file ``lm_eval
+--output_path OUTPUT/<method>`` writes, so lm-eval's tooling reads it. One record per finished (method, task, length)
+goes to a :class:`~.store.ResultStore`, so a rerun skips it.
+
+Lengths. RULER-style tasks generate their own data at the lengths of ``metadata["max_seq_lengths"]``. A list of
+lengths is split here into one lm-eval run per length, with ``max_length`` = that length unless one is given. So
+``limit`` counts samples per length (in a single run lm-eval's ``limit`` takes the first samples, which are all of the
+first length), no prompt is cut to the model's configured length, and a finished length is never run again.
+
+Generation. lm-eval calls ``generate`` on the model instance (``HFLM._model_generate``); a patched model's ``generate``
+keeps one length for the whole call (:func:`rope_patch.patching.fixed_length`), so under a dynamic method the KV cache
+agrees with a full recompute. Log-likelihood requests are plain forwards, where a dynamic method follows the padded
+length of the batch: with ``batch_size`` 1, each document is scored at its own length.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import ConfigError, MissingExtraError
+from .plots import file_stem
+from .store import ResultStore, record_key
+from .sweep import MethodEntry, MethodSpec, applied, group_by, method_entries
+
+INSTALL = 'pip install "rope-patch[lm-eval]"'
+KEY_FIELDS = ("model", "method", "task", "length", "setup")
+
+
+def require_lm_eval() -> ModuleType:
+    """The ``lm_eval`` package, or one line naming the extra that installs it."""
+    try:
+        import lm_eval
+        import lm_eval.models.huggingface  # noqa: F401  (HFLM: fails here if transformers glue is missing)
+    except ImportError as error:
+        raise MissingExtraError(f"lm-evaluation-harness is needed ({error}): {INSTALL}") from None
+    return lm_eval
+
+
+@dataclass(frozen=True)
+class HarnessUnit:
+    """One lm-eval run of one method: a task (or group, or tag) at one length, or at lm-eval's own lengths (None)."""
+
+    task: str
+    length: int | None = None
+
+    def metadata(self, base: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(base) if self.length is None else {**base, "max_seq_lengths": [self.length]}
+
+    def max_length(self, given: int | None) -> int | None:
+        return given if given is not None else self.length
+
+
+def sweep_lengths(metadata: Mapping[str, Any]) -> list[int]:
+    """The lengths of a length sweep: ``metadata["max_seq_lengths"]`` when it is a list of whole numbers."""
+    lengths = metadata.get("max_seq_lengths")
+    if isinstance(lengths, list) and lengths and all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+        return lengths
+    return []
+
+
+def plan_units(tasks: Sequence[str], metadata: Mapping[str, Any]) -> list[HarnessUnit]:
+    lengths = sweep_lengths(metadata)
+    return [HarnessUnit(t, n) for t in tasks for n in lengths] if lengths else [HarnessUnit(t) for t in tasks]
+
+
+def seed_like_lm_eval() -> None:
+    """The seeds ``simple_evaluate`` sets before it builds tasks, so data generated here equals lm-eval's own."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
+
+
+class TaskCatalog:
+    """lm-eval's tasks (built-in and under ``include_path``), checked by name before any model is loaded.
+
+    When every name is found under ``include_path`` alone, lm-eval's 14,000 built-in task files are not indexed
+    (seconds saved per run; lm-eval gives ``include_path`` precedence anyway). Loaded tasks are kept per (task,
+    metadata), so data a task generates (RULER's) is built once for all methods.
+    """
+
+    def __init__(self, tasks: Sequence[str], include_path: str | None = None):
+        require_lm_eval()
+        from lm_eval.tasks import TaskManager
+
+        if include_path is not None and not Path(include_path).is_dir():
+            raise ConfigError(f"--include-path {include_path!r} is not a folder of task YAML files")
+        self.include_path = include_path
+        local = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+        self.defaults = local is None or not all(self._known(local, t) for t in tasks)
+        index = TaskManager(include_path=include_path) if self.defaults else local
+        for task in tasks:
+            if not self._known(index, task):
+                close = difflib.get_close_matches(task, index.all_tasks, n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(f"unknown lm-eval task {task!r}{hint}; list them with 'lm-eval ls tasks', or give "
+                                  "--include-path DIR for task YAML files of your own")
+        self._managers: dict[str, Any] = {}
+        self._loaded: dict[tuple[str, str], list] = {}
+
+    @staticmethod
+    def _known(manager, task: str) -> bool:
+        return task in manager.all_tasks or Path(task).is_file()
+
+    def manager(self, metadata: Mapping[str, Any]):
+        """A TaskManager whose tasks see ``metadata`` (RULER reads its lengths and tokenizer from it)."""
+        from lm_eval.tasks import TaskManager
+
+        key = json.dumps(metadata, sort_keys=True)
+        if key not in self._managers:
+            self._managers[key] = TaskManager(include_path=self.include_path, include_defaults=self.defaults,
+                                              metadata=dict(metadata))
+        return self._managers[key]
+
+    def load(self, task: str, metadata: Mapping[str, Any]) -> list:
+        """The top-level Task and Group objects of one name, built once per metadata."""
+        key = (task, json.dumps(metadata, sort_keys=True))
+        if key not in self._loaded:
+            seed_like_lm_eval()
+            try:
+                loaded = self.manager(metadata).load([task])
+            except KeyError:  # a local group naming built-in tasks: index lm-eval's own tasks too
+                if self.defaults:
+                    raise
+                self.defaults, self._managers = True, {}
+                return self.load(task, metadata)
+            children = {name for names in loaded["group_map"].values() for name in names}
+            items = {**loaded["groups"], **loaded["tasks"]}
+            self._loaded[key] = [obj for name, obj in items.items() if name not in children]
+        return self._loaded[key]
+
+
+class _DropWarning(logging.Filter):
+    """HFLM warns, for every model object, that its loading arguments are ignored and that it assumes one process:
+    both true of every run here, so the warnings only alarm."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "is not of type `str`" not in message and "already-initialized model" not in message
+
+
+def plain_json(value: Any) -> Any:
+    """lm-eval's results as plain JSON (numpy numbers and other objects converted the way lm-eval writes them)."""
+    from lm_eval.utils import handle_non_serializable
+
+    return json.loads(json.dumps(value, default=handle_non_serializable))
+
+
+def run_unit(model, tokenizer, entry: MethodEntry, unit: HarnessUnit, catalog: TaskCatalog, *,
+             metadata: Mapping[str, Any], max_length: int | None, batch_size: int, limit: float | None,
+             num_fewshot: int | None, output: str | Path | None, model_name: str) -> tuple[dict, Path | None]:
+    """One ``simple_evaluate`` of the (already patched) model; lm-eval's results and the results file it wrote."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.models.huggingface import HFLM
+
+    hf_logger = logging.getLogger(HFLM.__module__)
+    quiet = _DropWarning()
+    hf_logger.addFilter(quiet)
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=unit.max_length(max_length), batch_size=batch_size)
+    finally:
+        hf_logger.removeFilter(quiet)
+    tracker = EvaluationTracker(output_path=str(Path(output) / file_stem(entry.label))) if output is not None else None
+    meta = unit.metadata(metadata)
+    results = lm_eval.simple_evaluate(
+        model=lm, model_args={"pretrained": model_name, "rope_patch": entry.label},
+        tasks=catalog.load(unit.task, meta), task_manager=catalog.manager(meta), num_fewshot=num_fewshot,
+        batch_size=batch_size, limit=limit, log_samples=False, evaluation_tracker=tracker,
+    )
+    if tracker is None:
+        return results, None
+    tracker.save_results_aggregated(results=results, samples=None)
+    folder = Path(tracker.output_path) / tracker.general_config_tracker.model_name_sanitized
+    return results, folder / f"results_{tracker.date_id}.json"
+
+
+def evaluate_harness(
+    model,
+    tokenizer,
+    methods: Sequence[MethodSpec],
+    tasks: Sequence[str],
+    *,
+    include_path: str | None = None,
+    max_length: int | None = None,
+    batch_size: int = 1,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    output: str | Path | None = None,
+    store: ResultStore | None = None,
+    model_name: str = "model",
+    catalog: TaskCatalog | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Run lm-eval ``tasks`` on ``model`` under each method and return one record per (method, task, length).
+
+    A record holds lm-eval's ``results`` (and ``groups``) for the run, its ``n-samples``, the results file and the
+    time taken. Runs already in ``store`` (same model, method, task, length and settings) are skipped; new ones are
+    appended the moment they finish. ``metadata`` goes to every task (RULER: ``{"max_seq_lengths": [4096, 8192]}``,
+    split into one run per length); RULER's tokenizer is the model's own, saved for it, unless ``metadata`` names one.
+    """
+    require_lm_eval()
+    entries = method_entries(model, methods)
+    catalog = catalog or TaskCatalog(tasks, include_path)
+    metadata = dict(metadata or {})
+    units = plan_units(tasks, metadata)
+    split = bool(sweep_lengths(metadata))
+    setup = {"limit": limit, "num_fewshot": num_fewshot, "max_length": max_length, "include_path": include_path,
+             "metadata": {k: v for k, v in metadata.items() if not (split and k == "max_seq_lengths")}}
+
+    finished = store.by_key() if store is not None else {}
+    results: dict[tuple[str, HarnessUnit], dict] = {}
+    todo: list[tuple[MethodEntry, HarnessUnit]] = []
+    for entry in entries:
+        for unit in units:
+            done = finished.get(record_key(_identity(model_name, entry.label, unit, setup), KEY_FIELDS))
+            if done is not None:
+                results[(entry.label, unit)] = done
+            else:
+                todo.append((entry, unit))
+    if not todo:
+        return [results[(entry.label, unit)] for entry in entries for unit in units]
+
+    with tempfile.TemporaryDirectory(prefix="rope_patch_tokenizer_") as scratch:
+        if "tokenizer" not in metadata:  # RULER sizes its prompts with a tokenizer it loads by name: the model's own
+            folder = Path(output) / "tokenizer" if output is not None else Path(scratch)
+            tokenizer.save_pretrained(folder)
+            metadata["tokenizer"] = str(folder)
+        bar = tqdm(total=len(todo), desc="lm-eval", unit="run", disable=not progress)
+        for _, group in group_by(todo, lambda item: item[0].label):
+            with applied(model, group[0][0]):
+                for entry, unit in group:
+                    bar.set_postfix_str(f"{entry.label} {unit.task}" + (f" @ {unit.length}" if unit.length else ""))
+                    start = time.perf_counter()
+                    run, path = run_unit(model, tokenizer, entry, unit, catalog, metadata=metadata,
+                                         max_length=max_length, batch_size=batch_size, limit=limit,
+                                         num_fewshot=num_fewshot, output=output, model_name=model_name)
+                    record = {**_identity(model_name, entry.label, unit, setup),
+                              "results": plain_json(run["results"]), "groups": plain_json(run.get("groups", {})),
+                              "n-samples": plain_json(run.get("n-samples", {})),
+                              "file": str(path) if path is not None else None,
+                              "seconds": round(time.perf_counter() - start, 3)}
+                    if store is not None:
+                        store.append(record)
+                    results[(entry.label, unit)] = record
+                    bar.update(1)
+        bar.close()
+    return [results[(entry.label, unit)] for entry in entries for unit in units]
+
+
+def _identity(model_name: str, label: str, unit: HarnessUnit, setup: Mapping[str, Any]) -> dict:
+    return {"model": model_name, "method": label, "task": unit.task, "length": unit.length, "setup": dict(setup)}

@@ -1,0 +1,119 @@
+"""lm-eval reports: one row per method × task × metric (× length), as a terminal table, CSV, JSON and a plot.
+
+:func:`summarize` reads lm-eval's own results out of the records of :mod:`rope_patch.eval.harness`; everything else
+formats or draws those rows. A metric named by a number is a length (RULER scores each length under its own metric,
+``"4096"``): its row gets that length and the metric name ``score``, and the ``-1`` RULER reports for lengths it did not
+run is left out. A run of a length sweep gives its rows the run's length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .plots import length_axis, new_figure, prepare_path, save_figure, write_csv
+
+SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples")
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """One row per method × task (or group) × metric × length: records in their order, tasks and metrics sorted
+    by name (as the JSON lines of a resumed run hold them)."""
+    rows = []
+    for record in records:
+        for task, metrics in sorted(record["results"].items()):
+            samples = record.get("n-samples", {}).get(task, {}).get("effective")
+            for key, value in sorted(metrics.items()):
+                metric, comma, flt = key.partition(",")
+                stderr = metrics.get(f"{metric}_stderr{comma}{flt}")
+                if metric in ("alias", "name", "sample_len") or metric.endswith("_stderr") or _number(value) is None:
+                    continue
+                length = record.get("length")
+                if metric.isdigit():
+                    if value == -1:  # RULER: no sample at this length in this run
+                        continue
+                    metric, length = "score", int(metric)
+                name = metric if flt in ("", "none") else f"{metric},{flt}"
+                rows.append({"method": record["method"], "task": task, "metric": name, "length": length,
+                             "value": float(value), "stderr": _number(stderr),
+                             "samples": samples})
+    return rows
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line per task · metric (@ length), one column per method."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        cells.setdefault((r["task"], r["metric"], r["length"]), {})[r["method"]] = r["value"]
+    names = [f"{task} · {metric}" + (f" @ {length:,}" if length is not None else "")
+             for task, metric, length in cells]
+    first = max([len("task · metric @ length"), *map(len, names)]) + 2
+    widths = [max(len(m), 10) + 2 for m in methods]
+    lines = ["task · metric @ length".ljust(first) + "".join(m.rjust(w) for m, w in zip(methods, widths))]
+    lines.append("-" * len(lines[0]))
+    for name, values in zip(names, cells.values()):
+        lines.append(name.ljust(first) + "".join(_value_text(values.get(m)).rjust(w) for m, w in zip(methods, widths)))
+    return "\n".join(lines)
+
+
+def _value_text(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *, settings: Mapping[str, Any] | None = None) -> Path:
+    path = prepare_path(path)
+    summary = {"task": "lm-evaluation-harness tasks on a patched model", "settings": dict(settings or {}),
+               "rows": list(rows)}
+    path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
+                         native_length: int | None = None) -> Path | None:
+    """One panel per task · metric that was measured at lengths, one line per method; None if none was."""
+    panels: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        if r["length"] is not None:
+            panels.setdefault((r["task"], r["metric"]), []).append(r)
+    if not panels:
+        return None
+    columns = min(3, len(panels))
+    count = -(-len(panels) // columns)
+    fig, axes = new_figure(4.2 * columns, 3.4 * count, columns=columns, rows=count)
+    for ax, ((task, metric), cell) in zip(axes, panels.items()):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in cell)):
+            points = sorted((r["length"], r["value"]) for r in cell if r["method"] == method)
+            ax.plot(*zip(*points), marker="osD^vP*X"[i % 8], fillstyle="none", markersize=max(4, 11 - 2 * i),
+                    linewidth=1.2, label=method)
+        length_axis(ax, [r["length"] for r in cell], native_length=native_length)
+        if all(0 <= r["value"] <= 1 for r in cell):  # accuracies and RULER scores: the whole range
+            ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{task} · {metric}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def write_reports(rows: Sequence[Mapping[str, Any]], output_dir: str | Path, *,
+                  settings: Mapping[str, Any] | None = None, native_length: int | None = None) -> dict[str, Path]:
+    """summary.csv, summary.json and (when there are lengths) score_vs_length.png in ``output_dir``."""
+    out = Path(output_dir)
+    files = {"csv": write_csv(rows, out / "summary.csv", SUMMARY_FIELDS),
+             "json": write_json(rows, out / "summary.json", settings=settings)}
+    plot = plot_score_vs_length(rows, out / "score_vs_length.png", native_length=native_length)
+    if plot is not None:
+        files["plot"] = plot
+    return files

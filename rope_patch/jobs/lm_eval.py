@@ -1,0 +1,126 @@
+"""The ``lm-eval`` job: any lm-evaluation-harness task (RULER, LongBench, babilong, perplexity, ...) on a model patched
+with each method in turn, in one resumable run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..errors import ConfigError
+from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness
+from ..eval.harness_report import format_table, summarize, write_reports
+from ..eval.store import ResultStore
+from ..eval.sweep import method_entries
+from ..patching import native_length
+from .common import SweepConfig, load_for_job, split_loaded
+from .options import flag, option
+
+METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
+
+
+@dataclass
+class LmEvalConfig(SweepConfig):
+    """Every choice of an lm-eval run. Field names are the ``rope-patch lm-eval`` options and the YAML keys."""
+
+    command: ClassVar[str] = "lm-eval"
+
+    tasks: list[str] = option([], "lm-eval task, group or tag names, comma-separated, e.g. niah_single_1,ruler_vt")
+    include_path: str | None = option(None, "folder of task YAML files of your own (lm-eval's --include_path)")
+    max_length: int | None = option(None, "longest model input in tokens, and the window of rolling perplexity "
+                                          "(default: each length of max_seq_lengths, else lm-eval's choice from the "
+                                          "model config)", tokens=True)
+    batch_size: int = option(1, "requests per forward (1 scores each document at its own length under dynamic methods)")
+    limit: float | None = option(None, "at most this many samples per task, per length in a length sweep (below 1: a "
+                                       "fraction); for quick runs, not for reported scores")
+    num_fewshot: int | None = option(None, "few-shot examples per prompt (default: the task's own)")
+    metadata: dict[str, Any] | None = option(None, f"JSON object handed to every task, e.g. {METADATA_EXAMPLE} for "
+                                                   "RULER: each length is then its own lm-eval run")
+    output: str | None = option("runs/lm_eval", "folder for lm-eval's results JSON per method, results.jsonl "
+                                                "(resumable), summary.csv/.json and score_vs_length.png (none from "
+                                                "Python with output=None)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.batch_size < 1 or (self.max_length is not None and self.max_length < 1):
+            raise ConfigError("--batch-size and --max-length must be positive whole numbers")
+        if self.limit is not None:
+            if self.limit <= 0:
+                raise ConfigError(f"--limit {self.limit:g}: give a positive number of samples, or a fraction below 1")
+            self.limit = int(self.limit) if self.limit >= 1 and self.limit == int(self.limit) else self.limit
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ConfigError(f"--num-fewshot {self.num_fewshot}: give 0 or more")
+        self.metadata = parse_metadata(self.metadata)
+
+
+def parse_metadata(value: Any) -> dict[str, Any] | None:
+    """``--metadata`` as a dict: a JSON object from the command line, a mapping from YAML or Python."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{flag('metadata')} is not valid JSON ({error.msg} at character {error.pos}): give an "
+                          f"object such as {METADATA_EXAMPLE}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag('metadata')} {value!r}: give a JSON object such as {METADATA_EXAMPLE}")
+    return parsed
+
+
+@dataclass
+class LmEvalResult:
+    """What :func:`run_lm_eval` produced: summary rows, one record per (method, task, length), files and settings."""
+
+    rows: list[dict]
+    records: list[dict]
+    files: dict[str, Path]
+    settings: dict[str, Any]
+
+    @property
+    def results_files(self) -> list[str]:
+        """lm-eval's own results JSON of every run, in the order of the records."""
+        return [r["file"] for r in self.records if r.get("file")]
+
+    def __str__(self) -> str:
+        s = self.settings
+        text = [f"lm-evaluation-harness, {s['model']} ({s['dtype']}), native length {s['native_length']:,}, "
+                f"limit {s['limit']}", format_table(self.rows)]
+        if self.files:
+            text.append(f"\nlm-eval results: {s['output']}/<method>/<model>/results_*.json; results: "
+                        f"{s['output']}/results.jsonl; summaries and plots: "
+                        f"{', '.join(str(p) for p in self.files.values())}")
+        return "\n".join(text)
+
+
+def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEvalResult:
+    """Load the model once, patch in each method, and run lm-eval's ``tasks`` on it; options are the fields of
+    :class:`LmEvalConfig` (``model=`` may be a loaded model, with ``tokenizer=``).
+
+    ``run_lm_eval(method=["none", "yarn:factor=2"], tasks=["niah_single_1"], metadata={"max_seq_lengths": [4096,
+    8192]}, limit=5)``. Unknown tasks and a missing lm-eval fail before the model is loaded. Finished (method, task,
+    length) runs in ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes.
+    """
+    options, loaded = split_loaded(options)
+    config = LmEvalConfig.from_options(config, **options)
+    if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
+        raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
+    catalog = TaskCatalog(config.tasks, config.include_path)
+    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation)
+    store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
+    records = evaluate_harness(
+        loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
+        max_length=config.max_length, batch_size=config.batch_size, limit=config.limit,
+        num_fewshot=config.num_fewshot, metadata=config.metadata, output=config.output, store=store,
+        model_name=loaded.label, catalog=catalog, progress=config.progress,
+    )
+    rows = summarize(records)
+    settings = {"model": loaded.label, "dtype": loaded.dtype,
+                "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
+                "include_path": config.include_path, "max_length": config.max_length, "batch_size": config.batch_size,
+                "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.metadata,
+                "native_length": native_length(loaded.model), "output": config.output}
+    files = {}
+    if config.output is not None:
+        files = write_reports(rows, config.output, settings=settings, native_length=settings["native_length"])
+    return LmEvalResult(rows, records, files, settings)
