@@ -9,6 +9,7 @@ from transformers import AutoConfig
 
 from rope_patch.errors import UnsupportedModelError
 from rope_patch.loss import IGNORE_INDEX, OutputHead, causal_lm_loss, shift_targets, token_nll
+from rope_patch.train.lora import add_lora
 from tiny_models import NATIVE, build_model, family_config
 
 # llama: plain head; gemma: tied embeddings; gemma2: soft-capping; granite: logits / logits_scaling;
@@ -89,6 +90,14 @@ def test_lora_gradients_equal_the_models_own():
                                                      init_lora_weights=False))
     ids = batch(2)
     assert_same_loss_and_grads(model, [(ids, masked(ids, seed=6))])
+
+
+def test_longlora_trainable_tied_embeddings_train_through_the_head():
+    """peft wraps the tied embeddings and head (modules_to_save): the head's weight is the trained copy."""
+    model = add_lora(tiny("llama", tie_word_embeddings=True), rank=4, alpha=8, targets=["q_proj", "v_proj"],
+                     train_embeddings_and_norms=True)
+    ids = batch(2)
+    assert_same_loss_and_grads(model, [(ids, ids)])
 
 
 def test_count_and_the_default_targets():
