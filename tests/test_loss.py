@@ -136,3 +136,20 @@ def test_lora_on_the_output_head_is_refused():
     model = get_peft_model(tiny("llama"), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
     with pytest.raises(UnsupportedModelError, match="lm_head"):
         causal_lm_loss(model, batch(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_on_a_gpu_in_bf16_the_loss_and_gradients_follow_the_models_own(family):
+    model = tiny(family, vocab_size=4096).to("cuda", torch.bfloat16)
+    ids = batch(2, length=512).cuda()
+    plain = model(input_ids=ids, labels=ids).loss
+    plain.backward()
+    expected = grads(model)
+    nll, count = causal_lm_loss(model, ids, chunk=100)
+    (nll / count).backward()
+    got = grads(model)
+    assert (nll / count).item() == pytest.approx(plain.item(), rel=1e-2)
+    for name in expected:  # bf16 weights: the gradients agree in direction and size, not to the last bit
+        cosine = torch.nn.functional.cosine_similarity(got[name].float().flatten(), expected[name].float().flatten(), dim=0)
+        assert cosine > 0.99, name
