@@ -20,6 +20,7 @@ from accelerate.utils import set_seed
 
 from ..data import PackedSequences
 from ..errors import ConfigError
+from ..kernels import KERNELS, KERNELS_HELP, apply_kernels, check_kernels_available, preferred_attention, remove_kernels
 from ..loading import load_model
 from ..methods import parse_method_spec
 from ..patching import patch
@@ -72,6 +73,7 @@ class FinetuneConfig(JobConfig):
                             choices=("auto", "fp32", "bf16-mixed", "bf16"))
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (e.g. sdpa, "
                                                    "flash_attention_2, eager)")
+    kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
     output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/")
     save_every: int = option(0, "save a resumable checkpoint every N steps (0: only the final model)")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep (0: all)")
@@ -97,6 +99,7 @@ class FinetuneConfig(JobConfig):
         if (self.save_adapter or self.train_embeddings_and_norms) and not self.lora:
             raise ConfigError("--save-adapter and --train-embeddings-and-norms only apply with --lora; add --lora or drop them")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
+        check_kernels_available(self.kernels)
 
 
 @dataclass
@@ -128,6 +131,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
                                   device=accelerator.device, attn_implementation=config.attn_implementation)
     name, params = parse_method_spec(config.method)
     report = patch(model, name, **params)
+    apply_kernels(model, config.kernels)  # before LoRA wraps the modules; the RoPE kernel applies the patched cos/sin
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
                                            num_documents=config.num_documents, exclude=config.exclude_documents,
@@ -163,7 +167,9 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
                           f"{config.batch_size * config.grad_accum * accelerator.num_processes} x {config.seq_len} tokens")
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
 
-    losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log)
+    with preferred_attention():
+        losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log)
+    remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
     final = save_final_model(accelerator, model, tokenizer, output, lora=config.lora, save_adapter=config.save_adapter)
     return FinetuneResult(output, losses, final, accelerator.is_main_process)
