@@ -228,20 +228,17 @@ def preferred_attention() -> Iterator[None]:
         yield
 
 
-def liger_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    softcap: float | None) -> torch.Tensor:
-    """Sum over tokens of ``cross_entropy(softcap(hidden @ W^T + b), targets)`` with Liger's fused linear
-    cross-entropy: ``hidden`` (N, H), ``targets`` (N,) with -100 ignored; the (N, V) logits are never held."""
+def liger_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ over tokens of ``cross_entropy(hidden @ weight^T, targets)`` with Liger's fused linear cross-entropy (the
+    ``head_loss`` of :func:`rope_patch.loss.causal_lm_loss`): ``hidden`` (N, H), ``weight`` (V, H), ``targets`` (N,)
+    with -100 not scored. The (N, V) logits never exist: the kernel computes them in chunks and writes the gradients
+    of ``hidden`` and ``weight`` during the forward pass."""
     functional = importlib.import_module("liger_kernel.transformers.functional")
-    return functional.liger_fused_linear_cross_entropy(hidden, head.weight, targets, bias=head.bias,
-                                                       ignore_index=-100, reduction="sum", softcap=softcap)
+    return functional.liger_fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="sum")
 
 
 def head_loss_for(model: nn.Module) -> Callable | None:
-    """The fused head loss where this model has Liger's kernels and a plain linear output head, else None (the
-    chunked loss then runs)."""
-    state = kernels_state(model)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if state is None or state.name != "liger" or type(head) is not nn.Linear:
-        return None
-    return liger_head_loss
+    """The fused head loss where this model has Liger's kernels, else None (the chunked loss then runs; it also runs
+    for heads with a bias, a scale or a soft-cap, which the fused kernel call here does not cover)."""
+    state = kernels_state(getattr(model, "module", model))  # DDP keeps the model in .module
+    return liger_head_loss if state is not None and state.name == "liger" else None
