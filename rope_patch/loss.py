@@ -1,18 +1,28 @@
 """The output-head loss without full-vocabulary logits, shared by evaluation and training.
 
 A causal LM's loss is ``cross_entropy(lm_head(h_t), x_{t+1})``. Computed the plain way it materialises logits for every
-token of a window, plus their fp32 copies: L × V × 4 bytes, 16 GB for 128k tokens × a 32k vocabulary. Here the final
-hidden states go through the output head a chunk of tokens at a time, with a float32 log-softmax, so only
-``chunk × V`` logits exist at once; the numbers are those of ``model(input_ids, labels=...)``.
+token of a window, plus their fp32 copies and, in training, their gradients: L × V × (2 + 4 + 4) bytes, about 40 GB
+for Llama-3-8B (V = 128,256) at 32k tokens. Here the final hidden states go through the output head a chunk of tokens
+at a time, with a float32 log-softmax, so only ``chunk × V`` logits exist at once, forward and backward (the backward
+pass recomputes each chunk's logits); the numbers are those of ``model(input_ids, labels=...)``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import UnsupportedModelError
+
+IGNORE_INDEX = -100  # a target that is not scored (transformers' and PyTorch's convention)
+DEFAULT_CHUNK = 4096  # tokens through the head at once: 4096 x 128,256 fp32 logits = 2 GiB
+
+# A fused linear cross-entropy kernel: (hidden (N, H), weight (V, H), targets (N,)) -> summed NLL, IGNORE_INDEX skipped.
+HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -31,15 +41,167 @@ def logit_softcap(model: nn.Module) -> float | None:
     return getattr(model.config, "final_logit_softcapping", None) or None
 
 
+def logit_scale(model: nn.Module) -> float:
+    """The factor the model multiplies its logits by: Cohere's ``logit_scale``, 1 / Granite's ``logits_scaling``."""
+    config = model.config
+    return float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """What turns a final hidden state h into logits: ``z = scale · (W h + b)``, then ``c · tanh(z / c)`` with a
+    soft-cap c. Read from the model once (:meth:`of`), used in chunks by :func:`token_nll` and :func:`head_nll_sum`."""
+
+    weight: torch.Tensor  # (V, H)
+    bias: torch.Tensor | None = None  # (V,)
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> OutputHead:
+        _, head = decoder_and_head(model)
+        if hasattr(head, "base_layer") or not isinstance(getattr(head, "weight", None), torch.Tensor):
+            raise UnsupportedModelError(
+                f"the output head of {type(model).__name__} is a {type(head).__name__}, not a plain linear layer "
+                "(LoRA on lm_head?); keep lm_head out of --lora-targets"
+            )
+        return cls(head.weight, getattr(head, "bias", None), logit_scale(model), logit_softcap(model))
+
+    @property
+    def plain(self) -> bool:
+        """Whether logits are just ``W h`` (what a fused linear cross-entropy kernel computes)."""
+        return self.bias is None and self.scale == 1.0 and not self.softcap
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (n, V) of hidden states (n, H): the one place the head's arithmetic lives."""
+        logits = F.linear(hidden, self.weight, self.bias).float()  # (n, V)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def logits_backward(self, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Gradient with respect to ``W h + b`` from the gradient with respect to the final logits, in place:
+        d tanh(z/c)·c / dz = 1 − (logits/c)², then × scale."""
+        if self.softcap:
+            grad.mul_(1.0 - (logits / self.softcap).square_())
+        if self.scale != 1.0:
+            grad.mul_(self.scale)
+        return grad
+
+
 @torch.no_grad()
-def token_nll(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, chunk: int = 1024,
-              softcap: float | None = None) -> torch.Tensor:
-    """Per-token negative log-likelihood (float32) of ``targets`` (N,) given the hidden states (N, H) that predict them,
-    ``chunk`` tokens through ``head`` at a time."""
+def token_nll(head: OutputHead, hidden: torch.Tensor, targets: torch.Tensor, *,
+              chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Per-token negative log-likelihood (float32) of ``targets`` (N,) given the hidden states (N, H) that predict
+    them, ``chunk`` tokens through the head at a time (evaluation: no gradient)."""
     nll = torch.empty(targets.shape[0], dtype=torch.float32, device=targets.device)  # (N,)
     for i in range(0, targets.shape[0], chunk):
-        logits = head(hidden[i : i + chunk]).float()  # (chunk, vocab)
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        nll[i : i + chunk] = F.cross_entropy(logits, targets[i : i + chunk], reduction="none")
+        nll[i : i + chunk] = F.cross_entropy(head.logits(hidden[i : i + chunk]), targets[i : i + chunk], reduction="none")
     return nll
+
+
+class _ChunkedHeadNLL(torch.autograd.Function):
+    """Σ NLL of the targets through the head, chunk by chunk; the backward pass recomputes each chunk's logits.
+
+    Forward keeps only the hidden states and each token's log-sum-exp. Backward, per chunk of logits s:
+    ∂Σ/∂s = softmax(s) − onehot(target) (0 on ignored rows), then through the soft-cap and the scale to
+    G = ∂Σ/∂(Wh + b) (chunk, V); ∂h = G W, ∂W += Gᵀ h, ∂b += Σ G (accumulated in float32).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, head: OutputHead, chunk: int):  # hidden (N, H), targets (N,)
+        lse = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for i in range(0, targets.shape[0], chunk):
+            logits = head.logits(hidden[i : i + chunk])  # (chunk, V)
+            lse[i : i + chunk] = torch.logsumexp(logits, dim=-1)
+            total += F.cross_entropy(logits, targets[i : i + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
+        ctx.save_for_backward(hidden, targets, lse)
+        ctx.head, ctx.chunk = head, chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, targets, lse = ctx.saved_tensors
+        head, chunk = ctx.head, ctx.chunk
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, H)
+        grad_weight = torch.zeros(head.weight.shape, dtype=torch.float32, device=hidden.device) if need_weight else None
+        grad_bias = torch.zeros(head.weight.shape[0], dtype=torch.float32, device=hidden.device) if need_bias else None
+        for i in range(0, targets.shape[0], chunk):
+            h, t = hidden[i : i + chunk], targets[i : i + chunk]  # (n, H), (n,)
+            logits = head.logits(h)  # (n, V)
+            grad = torch.exp(logits - lse[i : i + chunk, None])  # softmax (n, V)
+            scored = t != IGNORE_INDEX
+            rows = scored.nonzero().squeeze(1)
+            grad[rows, t[rows]] -= 1.0
+            grad.mul_((scored.float() * grad_total)[:, None])
+            grad = head.logits_backward(logits, grad).to(hidden.dtype)  # ∂/∂(Wh + b)
+            del logits
+            if need_hidden:
+                grad_hidden[i : i + chunk] = grad @ head.weight
+            if need_weight:
+                grad_weight.addmm_(grad.t().float(), h.float())
+            if need_bias:
+                grad_bias += grad.float().sum(0)
+        grad_weight = grad_weight.to(head.weight.dtype) if need_weight else None
+        grad_bias = grad_bias.to(head.bias.dtype) if need_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def head_nll_sum(head: OutputHead, hidden: torch.Tensor, targets: torch.Tensor, *, chunk: int = DEFAULT_CHUNK,
+                 head_loss: HeadLoss | None = None) -> torch.Tensor:
+    """Summed NLL (float32 scalar, differentiable) of ``targets`` (N,) from the hidden states (N, H) predicting them;
+    targets equal to -100 are not scored. ``head_loss`` (a fused kernel) replaces the chunked computation for heads
+    whose logits are just ``W h``."""
+    if head_loss is not None and head.plain:
+        return head_loss(hidden, head.weight, targets).float()
+    return _ChunkedHeadNLL.apply(hidden, head.weight, head.bias, targets, head, chunk)
+
+
+def shift_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets (B, L) of ``input_ids`` (B, L): position t predicts token t + 1; the last predicts nothing."""
+    return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def final_hidden_states(model: nn.Module, input_ids: torch.Tensor, **inputs) -> torch.Tensor:
+    """The last hidden states (B, L, H), final norm included, from a forward pass through ``model`` itself.
+
+    The call goes through ``model`` (which may be wrapped by DDP or peft) so that the wrappers do their part
+    (gradient synchronisation, adapters); the decoder's output is caught on the way, and the model's own head runs
+    on the last position only (``logits_to_keep=1``), so no full-vocabulary logits are made.
+    """
+    inner = getattr(model, "module", model)  # DDP and DeepSpeed keep the model in .module
+    decoder, _ = decoder_and_head(inner)
+    caught: list[torch.Tensor] = []
+    hook = decoder.register_forward_hook(lambda module, args, output: caught.append(output[0]))
+    try:
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=1, **inputs)
+    finally:
+        hook.remove()
+    return caught[-1]
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, *, targets: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                   chunk: int = DEFAULT_CHUNK, head_loss: HeadLoss | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token NLL and the number of scored tokens: ``(Σ NLL (float32 scalar, differentiable), count)``.
+
+    ``targets`` (B, L) are already shifted: ``targets[b, t]`` is the token that position t predicts, -100 where
+    nothing is scored (default: :func:`shift_targets` of ``input_ids``). ``model(input_ids, labels=x).loss`` equals
+    ``Σ / count`` with ``targets = shift_targets(x)``. Since targets and ``position_ids`` come in already aligned,
+    a sequence shard (context parallelism) can be scored as it is.
+
+    The convention for exact averaging: the plain loss of an optimizer step is the mean over all its scored tokens,
+    ``Σ_micro-steps,processes Σ / Σ count``. When every micro-batch scores the same number of tokens (fixed-length
+    sequences, no masking), ``Σ / count`` per micro-batch, divided by the accumulation steps and averaged over
+    processes (what accelerate and DDP do), is exactly that; otherwise scale each Σ by the step's total count.
+    """
+    targets = shift_targets(input_ids) if targets is None else targets
+    inputs = {k: v for k, v in (("position_ids", position_ids), ("attention_mask", attention_mask)) if v is not None}
+    hidden = final_hidden_states(model, input_ids, **inputs)  # (B, L, H)
+    head = OutputHead.of(getattr(model, "module", model))
+    total = head_nll_sum(head, hidden.flatten(0, 1), targets.flatten(), chunk=chunk, head_loss=head_loss)
+    return total, (targets != IGNORE_INDEX).sum()

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from ..data import TokenizedDocument
 from ..errors import ConfigError, UnsupportedModelError
-from ..loss import decoder_and_head, logit_softcap, token_nll
+from ..loss import OutputHead, decoder_and_head, token_nll
 from ..patching import fixed_length
 from .store import ResultStore, record_key
 from .sweep import MethodEntry, MethodSpec, applied, group_by, method_entries
@@ -163,7 +163,7 @@ def window_nll(model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[
     """Per-token NLL (float32) of positions ``scored_from[b]`` … L−1 of each row of ``input_ids`` (B, L), then of
     ``next_tokens[b]`` (the token after the row, predicted by its last position) where one is given. The decoder runs
     to its last hidden state, and only the positions that predict a scored token go through the output head."""
-    decoder, head = decoder_and_head(model)
+    decoder, _ = decoder_and_head(model)
     hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, H)
     next_tokens = next_tokens or [None] * len(scored_from)
     length = input_ids.shape[1]
@@ -173,7 +173,7 @@ def window_nll(model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[
         states.append(hidden[b, s - 1 : last])  # (n_b, H)
         targets.append(input_ids[b, s:] if following is None else
                        torch.cat([input_ids[b, s:], input_ids.new_tensor([following])]))  # (n_b,)
-    nll = token_nll(head, torch.cat(states), torch.cat(targets), chunk=loss_chunk, softcap=logit_softcap(model))
+    nll = token_nll(OutputHead.of(model), torch.cat(states), torch.cat(targets), chunk=loss_chunk)
     return list(nll.split([t.shape[0] for t in targets]))
 
 
