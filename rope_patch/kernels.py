@@ -53,7 +53,7 @@ class KernelState:
 
     def __str__(self) -> str:
         rope = f", RoPE application in {self.rope_modules} attention modules" if self.rope_modules else ", no RoPE kernel"
-        return f"{self.name} kernels on {self.family}: RMSNorm, SwiGLU{rope}, fused linear cross-entropy in training"
+        return f"{self.name} kernels on {self.family}: RMSNorm, gated MLP{rope}, fused linear cross-entropy in training"
 
 
 def kernel_choice(name: str | None) -> str | None:
