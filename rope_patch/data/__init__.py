@@ -1,11 +1,13 @@
 """Data: documents from the embedded corpus, local files or hub data sets (:mod:`.documents`), their tokens cached
-on disk (:mod:`.tokens`), and training sequences packed from them (:mod:`.packing`)."""
+on disk (:mod:`.tokens`), training sequences packed from them (:mod:`.packing`) and PoSE's position ids
+(:mod:`.pose`)."""
 
 from .documents import DEFAULT_CORPUS, Document, documents_fingerprint, load_documents, stdlib_corpus
 from .packing import PackedSequences
+from .pose import pose_batch, pose_position_ids
 from .tokens import TokenizedDocument, resolve_bos, select_documents, tokenize_documents, tokenizer_fingerprint
 
 __all__ = [
     "DEFAULT_CORPUS", "Document", "PackedSequences", "TokenizedDocument", "documents_fingerprint", "load_documents",
-    "resolve_bos", "select_documents", "stdlib_corpus", "tokenize_documents", "tokenizer_fingerprint",
+    "pose_batch", "pose_position_ids", "resolve_bos", "select_documents", "stdlib_corpus", "tokenize_documents", "tokenizer_fingerprint",
 ]

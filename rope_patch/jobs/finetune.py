@@ -27,13 +27,15 @@ from ..patching import patch
 from ..train.checkpoints import check_distributed, resume_folder, save_final_model
 from ..train.log import TrainingLog, tensorboard
 from ..train.lora import add_lora, save_only_trainable_weights
-from ..train.loop import TrainingProgress, enable_activation_checkpointing, lr_factor, train
+from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
+                          train)
 from .options import JobConfig, option
 
 # Settings that decide which data each step sees and what is trained: a resume must keep them.
 RESUME_FINGERPRINT = ("model", "method", "dataset", "split", "text_field", "subset", "num_documents",
                       "exclude_documents", "seq_len", "seed", "schedule", "warmup_steps", "lora", "lora_rank",
-                      "lora_alpha", "lora_targets", "train_embeddings_and_norms")
+                      "lora_alpha", "lora_targets", "train_embeddings_and_norms", "pose_target_len",
+                      "pose_chunks")
 
 
 @dataclass
@@ -43,12 +45,16 @@ class FinetuneConfig(JobConfig):
     command: ClassVar[str] = "finetune"
 
     model: str | None = option(None, "hub id or local folder of the model to extend (default: the embedded SmolLM2-135M-Instruct)")
-    method: str = option("linear:factor=2", "scaling applied before training, as a method spec, e.g. linear:factor=2 "
+    method: str = option("yarn:factor=2", "scaling applied before training, as a method spec, e.g. linear:factor=2 "
                                             "or yarn:factor=16", metavar="SPEC")
     dataset: str | None = option(None, "training documents, the sources of 'rope-patch eval': a hub data set, a local "
                                        "file or folder (default: the embedded stdlib corpus)")
     seq_len: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
                                  "tokens)", tokens=True)
+    pose_target_len: int | None = option(None, "PoSE: train for this window with --seq-len sequences whose chunks get "
+                                               "random position skips reaching up to it, e.g. 32k (default: off)",
+                                         tokens=True)
+    pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
     steps: int = option(200, "optimizer steps")
     lr: float = option(2e-5, "peak learning rate (PI paper: 2e-5 for 7B/13B)")
     batch_size: int = option(1, "sequences per process per micro-step")
@@ -98,6 +104,11 @@ class FinetuneConfig(JobConfig):
             raise ConfigError("--lora needs at least one module name in --lora-targets, e.g. q_proj,v_proj")
         if (self.save_adapter or self.train_embeddings_and_norms) and not self.lora:
             raise ConfigError("--save-adapter and --train-embeddings-and-norms only apply with --lora; add --lora or drop them")
+        if self.pose_target_len is not None and self.pose_target_len <= self.seq_len:
+            raise ConfigError(f"--pose-target-len {self.pose_target_len:,} must exceed --seq-len {self.seq_len:,}: PoSE "
+                              "trains a longer window than its sequences (drop it to train at --seq-len)")
+        if not 1 <= self.pose_chunks <= self.seq_len:
+            raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
         check_kernels_available(self.kernels)
 
@@ -121,6 +132,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     mixed = {"auto": "bf16" if torch.cuda.is_available() else "no", "bf16-mixed": "bf16"}.get(config.precision, "no")
     if config.precision == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION"):
         mixed = None  # an `accelerate launch` config chose already
+    forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
                               step_scheduler_with_optimizer=False, log_with=tensorboard(), project_dir=str(output))
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.state import AcceleratorState, GradientState
 from tqdm.auto import tqdm
 
-from ..data import PackedSequences
+from ..data import PackedSequences, pose_batch
 from ..errors import ConfigError
-from .checkpoints import save_checkpoint
+from ..loss import causal_lm_loss
+from .checkpoints import params_sharded, save_checkpoint
 from .log import TrainingLog
 
 
@@ -59,6 +61,14 @@ class TrainingProgress:
         self.step = int(state["step"])
 
 
+def forget_previous_jobs_accelerator() -> None:
+    """Clear accelerate's process-wide state (mixed precision, plugins, accumulation) that an earlier job in this
+    process left behind, so the next ``Accelerator(...)`` may choose another precision. The process group and device
+    (``PartialState``) stay: under ``accelerate launch`` they belong to the launcher, not to a job."""
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Non-reentrant checkpointing (needs no input gradients, so it works with frozen embeddings under LoRA)."""
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x; the old one warns
@@ -67,12 +77,31 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                     plain: bool = False) -> torch.Tensor:
+    """Mean next-token loss of a micro-batch ``input_ids`` (B, L), without full-vocabulary logits
+    (:func:`rope_patch.loss.causal_lm_loss`). Every micro-batch scores B × (L − 1) tokens, so accelerate's division by
+    the accumulation steps and DDP's mean over processes make it exactly the mean over the optimizer step's tokens.
+
+    ``plain``: the model's own loss, for FSDP and DeepSpeed ZeRO-3, whose output head is whole only inside the
+    model's forward pass.
+    """
+    # PoSE's ids jump between chunks; with no attention mask, transformers would read each jump as the start of a new
+    # packed sequence and block attention across chunks. An all-ones mask (no padding) keeps one causal sequence.
+    mask = torch.ones_like(input_ids) if position_ids is not None else None
+    if plain:
+        return model(input_ids=input_ids, labels=input_ids, position_ids=position_ids, attention_mask=mask).loss
+    nll, count = causal_lm_loss(model, input_ids, position_ids=position_ids, attention_mask=mask)
+    return nll / count
+
+
 def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSequences, progress: TrainingProgress,
           log: TrainingLog) -> dict[int, float]:
     """Run optimizer steps until ``config.steps``; each runs ``config.grad_accum`` micro-steps of ``config.batch_size``
     sequences per process. ``config`` is the job's :class:`~rope_patch.jobs.finetune.FinetuneConfig`. Returns
     ``{step: mean training loss}`` of the steps this call ran."""
     ranks, rank = accelerator.num_processes, accelerator.process_index
+    plain_loss = params_sharded(accelerator)
     tokens_per_step = config.batch_size * config.grad_accum * ranks * config.seq_len
     losses: dict[int, float] = {}
     bar = tqdm(total=config.steps, initial=progress.step, desc="finetune", unit="step",
@@ -83,8 +112,13 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
         step_loss = torch.zeros((), device=accelerator.device)
         for micro in range(config.grad_accum):
             input_ids = data.batch(step, micro, rank, ranks, config.batch_size, config.grad_accum).to(accelerator.device)
+            position_ids = None
+            if config.pose_target_len:
+                positions = data.positions(step, micro, rank, ranks, config.batch_size, config.grad_accum)
+                position_ids = pose_batch(positions, config.seq_len, config.pose_target_len, chunks=config.pose_chunks,
+                                          seed=config.seed).to(accelerator.device)  # (B, seq_len)
             with accelerator.accumulate(model):
-                loss = model(input_ids=input_ids, labels=input_ids).loss  # mean over batch x (seq_len - 1) tokens
+                loss = micro_batch_loss(model, input_ids, position_ids=position_ids, plain=plain_loss)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and config.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)

@@ -22,7 +22,8 @@ from rope_patch.cli import parse
 from rope_patch.data import PackedSequences
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.loading import load_adapter_checkpoint
-from rope_patch.train.loop import lr_factor
+from rope_patch.data import pose_batch
+from rope_patch.train.loop import lr_factor, micro_batch_loss
 from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,9 +93,34 @@ def test_loss_falls_on_a_learnable_corpus(workspace, tmp_path):
     assert rows[0] == "step,loss,lr,tokens_per_s,tokens_seen,elapsed_s" and len(rows) == 11
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(workspace, tmp_path, lora):
+def test_two_jobs_in_one_process_may_use_different_precisions(workspace, tmp_path):
+    first = finetune(**options(workspace, tmp_path / "bf16", steps=1, precision="bf16-mixed"))
+    second = finetune(**options(workspace, tmp_path / "fp32", steps=1, precision="fp32"))
+    third = finetune(**options(workspace, tmp_path / "again", steps=1, precision="fp32"))
+    assert first.losses[1] != second.losses[1] == third.losses[1]  # bf16 autocast really ran first, then fp32
+
+
+def test_the_training_loss_is_the_models_own_with_pose_positions():
+    """PoSE's jumping ids with an all-ones mask: one causal sequence. Without the mask, transformers would read each
+    jump as a new packed sequence and cut attention between chunks."""
+    model = build_model(tiny_llama_config()).train()
+    ids = PROBE.repeat(2, 1)[:, :96]  # (2, 96)
+    position_ids = pose_batch([0, 1], 96, 400, chunks=3, seed=0)  # (2, 96)
+    ours = micro_batch_loss(model, ids, position_ids=position_ids)
+    mask = torch.ones_like(ids)
+    plain = model(input_ids=ids, labels=ids, position_ids=position_ids, attention_mask=mask).loss
+    assert ours.item() == pytest.approx(plain.item(), rel=1e-6)
+    assert ours.item() == pytest.approx(micro_batch_loss(model, ids, position_ids=position_ids, plain=True).item(), rel=1e-6)
+    unmasked = model(input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False).loss  # as in training
+    assert abs(unmasked.item() - plain.item()) > 1e-5
+    skipped = model(input_ids=ids, position_ids=position_ids, attention_mask=mask).logits  # the ids reach the model
+    assert (skipped - model(input_ids=ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("lora, pose", [(False, False), (True, False), (False, True)], ids=["full", "lora", "pose"])
+def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(workspace, tmp_path, lora, pose):
     extra = dict(lora=True, train_embeddings_and_norms=True) if lora else {}
+    extra |= dict(pose_target_len=400, pose_chunks=3) if pose else {}
     full = finetune(**options(workspace, tmp_path / "full", save_every=2, keep_checkpoints=0, **extra))
     checkpoint = tmp_path / "full" / "checkpoints" / "step-000002"
     saved = load_file(checkpoint / "model.safetensors")
@@ -155,7 +181,7 @@ def test_lora_merged_and_unmerged_give_the_same_outputs(workspace, tmp_path, mod
     assert torch.allclose(logits(unmerged), expected, atol=1e-5)
     assert torch.allclose(logits(plain), expected, atol=1e-5)
     evaluated, _ = rope_patch.load_model(tmp_path / "adapter", device="cpu", dtype="fp32")  # what eval / passkey load
-    assert rope_patch.current_patch(evaluated)["label"] == "linear:factor=2"
+    assert rope_patch.current_patch(evaluated)["label"] == "yarn:factor=2"  # the default method
     assert torch.allclose(logits(evaluated), expected, atol=1e-5)
     base = AutoModelForCausalLM.from_pretrained(workspace / model, dtype=torch.float32)
     assert not torch.equal(plain.get_input_embeddings().weight, base.get_input_embeddings().weight)  # trained too
@@ -210,6 +236,17 @@ def test_a_lora_target_that_does_not_exist_is_refused(workspace, tmp_path):
         finetune(**options(workspace, tmp_path / "run", lora=True, lora_targets="q_proj,qkv_proj"))
 
 
+@pytest.mark.parametrize("pose, message", [
+    (dict(pose_target_len=96), "must exceed --seq-len 96"),
+    (dict(pose_target_len=50), "must exceed --seq-len"),
+    (dict(pose_target_len=400, pose_chunks=0), "--pose-chunks must be between 1"),
+    (dict(pose_target_len=400, pose_chunks=97), "--pose-chunks must be between 1"),
+])
+def test_pose_settings_are_checked(pose, message):
+    with pytest.raises(ConfigError, match=message):
+        FinetuneConfig(seq_len=96, **pose)
+
+
 def test_an_unknown_method_is_refused_before_anything_loads():
     with pytest.raises(UnknownMethodError):
         FinetuneConfig(method="lineer:factor=2")
@@ -220,6 +257,7 @@ def test_an_unknown_method_is_refused_before_anything_loads():
     (["--seq-len", "100000"], "fewer than one sequence"),
     (["--lora", "--lora-targets", "qkv"], "no such module"),
     (["--save-adapter"], "only apply with --lora"),
+    (["--pose-target-len", "64"], "--pose-target-len 64 must exceed"),
 ])
 def test_the_command_line_prints_one_line_and_exits_2(workspace, tmp_path, capsys, argv, message):
     base = ["finetune", "--model", str(workspace / "tiny"), "--dataset", str(workspace / "corpus"), "--seq-len", "96",
