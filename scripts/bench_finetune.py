@@ -5,8 +5,9 @@ Variants, each a full optimizer step (forward, backward, AdamW step) on one sequ
 
 * ``plain``: what users write: ``model(input_ids=x, labels=x).loss.backward()`` (full-vocabulary logits, their fp32
   copy and their gradient), with peft's LoRA and transformers' gradient checkpointing;
-* ``ours``: rope_patch's pieces: :func:`rope_patch.train.lora.add_lora`, non-reentrant activation checkpointing, and
-  :func:`rope_patch.loss.causal_lm_loss` (the output head in token chunks, recomputed in the backward pass, so no
+* ``ours``: rope_patch's training step: :func:`rope_patch.train.lora.add_lora`, non-reentrant activation
+  checkpointing, and the loss of ``rope-patch finetune``'s loop, :func:`rope_patch.train.loop.micro_batch_loss`
+  (:func:`rope_patch.loss.causal_lm_loss`: the output head in token chunks, recomputed in the backward pass, so no
   full-vocabulary logits exist), under cuDNN-first SDPA (:func:`rope_patch.kernels.preferred_attention`);
 * ``ours+liger``: the same with ``--kernels liger`` (Liger's RMSNorm, SwiGLU, RoPE application, and its fused linear
   cross-entropy as the head loss). CUDA only.
@@ -29,14 +30,12 @@ layer, plus the output head), L tokens, l layers, d the hidden size, one step is
                                 usual 6·N·L of full fine-tuning becomes 4·N·L; LoRA's own FLOPs are < 0.5 % and left out)
     MFU = (4·N·L + 6·l·d·L²) / step time / peak.
 
-CPU (default without a GPU): the same code on a shrunk shape (``--preset small``), so anyone can see it work. And the
-CPU memory comparison of issue 10 (``--preset rss``): a tiny LLaMA body with SmolLM2's 49,152-token vocabulary, 4,096
-tokens in fp32, full fine-tuning with checkpointing, ``plain`` vs ``ours``: peak resident memory (``ru_maxrss``) of
-each child process.
+CPU (default without a GPU): the same code on a shrunk shape (``--preset small``, fp32), so anyone can see it work;
+peak memory is then the child's peak resident memory (``ru_maxrss``, model included). The CPU memory comparison of
+the whole ``rope-patch finetune`` job is ``bench_finetune_memory.py``.
 
     python scripts/bench_finetune.py                                  # GPU table (or the small CPU run)
     python scripts/bench_finetune.py --lengths 16k,32k,64k            # part of the GPU table
-    python scripts/bench_finetune.py --preset rss                     # CPU peak memory, ours vs plain
     python scripts/bench_finetune.py --device cpu --preset llama3-8b --smoke   # the GPU code path, shrunk, on CPU
 """
 
@@ -61,13 +60,10 @@ PRESETS = {
     "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "rss": dict(vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True),
 }
 SMOKE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=8192)
-DEFAULT_LENGTHS = {"llama3-8b": [16384, 32768, 65536, 131072], "small": [512, 1024], "rss": [4096]}
+DEFAULT_LENGTHS = {"llama3-8b": [16384, 32768, 65536, 131072], "small": [512, 1024]}
 
 
 def build_config(preset: str, smoke: bool) -> LlamaConfig:
@@ -77,43 +73,34 @@ def build_config(preset: str, smoke: bool) -> LlamaConfig:
     return config
 
 
-def train_flops(config: LlamaConfig, length: int, *, lora: bool) -> float:
-    """Model FLOPs of one training step on ``length`` tokens (see the module docstring): forward + backward."""
+def train_flops(config: LlamaConfig, length: int) -> float:
+    """Model FLOPs of one LoRA training step on ``length`` tokens (see the module docstring): forward + backward."""
     d, layers, ff, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
     kv = config.num_key_value_heads * (d // config.num_attention_heads)
     matmul_weights = layers * (2 * d * d + 2 * d * kv + 3 * d * ff) + d * vocab  # q, o, k, v, gate/up/down; the head
-    per_token = (4 if lora else 6) * matmul_weights  # backward: activation gradients (and weight gradients if trained)
-    return per_token * length + 6 * layers * d * length**2
+    return 4 * matmul_weights * length + 6 * layers * d * length**2  # frozen weights: no weight gradients
 
 
-def prepare(variant: str, model: torch.nn.Module, *, lora: bool):
+def prepare(variant: str, model: torch.nn.Module):
     """The model ready to train the way ``variant`` does, and its loss function ``ids -> scalar``."""
     if variant == "plain":
         from peft import LoraConfig, get_peft_model
 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if lora:
-            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                     target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                                                 task_type="CAUSAL_LM"))
         return model, lambda ids: model(input_ids=ids, labels=ids).loss
 
     from rope_patch.kernels import apply_kernels, head_loss_for
-    from rope_patch.loss import causal_lm_loss
     from rope_patch.train.lora import add_lora
-    from rope_patch.train.loop import enable_activation_checkpointing
+    from rope_patch.train.loop import enable_activation_checkpointing, micro_batch_loss
 
-    if variant == "ours+liger":
-        apply_kernels(model, "liger")
     enable_activation_checkpointing(model)
-    if lora:
-        model = add_lora(model, rank=8, alpha=16.0, targets=LORA_TARGETS)
-    head_loss = head_loss_for(model)
-
-    def loss_fn(ids: torch.Tensor) -> torch.Tensor:
-        total, count = causal_lm_loss(model, ids, head_loss=head_loss)
-        return total / count
-
-    return model, loss_fn
+    model = add_lora(model, rank=8, alpha=16.0, targets=LORA_TARGETS)
+    if variant == "ours+liger":
+        apply_kernels(model, "liger")  # as rope-patch finetune does: after LoRA
+    head_loss = head_loss_for(model)  # Liger's fused linear cross-entropy with ours+liger, else the chunked loss
+    return model, lambda ids: micro_batch_loss(model, ids, head_loss=head_loss)
 
 
 def run_variant(variant: str, args, queue) -> None:
@@ -123,12 +110,11 @@ def run_variant(variant: str, args, queue) -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     config = build_config(args.preset, args.smoke)
-    lora = args.preset != "rss"  # the CPU memory comparison is full fine-tuning, rope-patch finetune's default
     torch.manual_seed(0)
     with device:  # initialised where it runs, directly in its dtype: seconds for 8B parameters on a GPU
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
     model.train()
-    model, loss_fn = prepare(variant, model, lora=lora)
+    model, loss_fn = prepare(variant, model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     built_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     attention = preferred_attention if variant != "plain" else contextlib.nullcontext
@@ -165,7 +151,7 @@ def run_variant(variant: str, args, queue) -> None:
             queue.put(None)
             return
         row.update(seconds=seconds, tokens_per_s=length / seconds, first_loss=first_loss, loss=loss,
-                   mfu=train_flops(config, length, lora=lora) / seconds / (args.peak_tflops * 1e12) if cuda else None)
+                   mfu=train_flops(config, length) / seconds / (args.peak_tflops * 1e12) if cuda else None)
         if cuda:
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         else:
@@ -225,7 +211,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
-                        help="llama3-8b (GPU default), small (CPU default) or rss (CPU peak memory, ours vs plain)")
+                        help="llama3-8b (GPU default) or small (CPU default)")
     parser.add_argument("--lengths", type=lambda s: [tokens(x) for x in s.split(",")], default=None,
                         help="tokens per sequence, comma-separated, 16k = 16384 (default: the preset's)")
     parser.add_argument("--variants", type=lambda s: s.split(","), default=None,

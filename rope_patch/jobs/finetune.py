@@ -20,7 +20,15 @@ from accelerate.utils import set_seed
 
 from ..data import PackedSequences
 from ..errors import ConfigError
-from ..kernels import KERNELS, KERNELS_HELP, apply_kernels, check_kernels_available, preferred_attention, remove_kernels
+from ..kernels import (
+    KERNELS,
+    KERNELS_HELP,
+    apply_kernels,
+    check_kernels_available,
+    head_loss_for,
+    preferred_attention,
+    remove_kernels,
+)
 from ..loading import load_model
 from ..methods import parse_method_spec
 from ..patching import patch
@@ -143,7 +151,6 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
                                   device=accelerator.device, attn_implementation=config.attn_implementation)
     name, params = parse_method_spec(config.method)
     report = patch(model, name, **params)
-    apply_kernels(model, config.kernels)  # before LoRA wraps the modules; the RoPE kernel applies the patched cos/sin
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
                                            num_documents=config.num_documents, exclude=config.exclude_documents,
@@ -154,6 +161,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     if config.lora:
         model = add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
                          train_embeddings_and_norms=config.train_embeddings_and_norms)
+    apply_kernels(model, config.kernels)  # after LoRA, so that Liger also patches the norms peft copied to train them
     model.train()
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -180,7 +188,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
 
     with preferred_attention():
-        losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log)
+        losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
+                       head_loss=head_loss_for(model))
     remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
     final = save_final_model(accelerator, model, tokenizer, output, lora=config.lora, save_adapter=config.save_adapter)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..data import PackedSequences, pose_batch
 from ..errors import ConfigError
-from ..loss import causal_lm_loss
+from ..loss import HeadLoss, causal_lm_loss
 from .checkpoints import params_sharded, save_checkpoint
 from .log import TrainingLog
 
@@ -78,25 +78,25 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                     plain: bool = False) -> torch.Tensor:
+                     plain: bool = False, head_loss: HeadLoss | None = None) -> torch.Tensor:
     """Mean next-token loss of a micro-batch ``input_ids`` (B, L), without full-vocabulary logits
     (:func:`rope_patch.loss.causal_lm_loss`). Every micro-batch scores B × (L − 1) tokens, so accelerate's division by
     the accumulation steps and DDP's mean over processes make it exactly the mean over the optimizer step's tokens.
 
     ``plain``: the model's own loss, for FSDP and DeepSpeed ZeRO-3, whose output head is whole only inside the
-    model's forward pass.
+    model's forward pass. ``head_loss``: a fused linear cross-entropy kernel for the output head (``--kernels``).
     """
     # PoSE's ids jump between chunks; with no attention mask, transformers would read each jump as the start of a new
     # packed sequence and block attention across chunks. An all-ones mask (no padding) keeps one causal sequence.
     mask = torch.ones_like(input_ids) if position_ids is not None else None
     if plain:
         return model(input_ids=input_ids, labels=input_ids, position_ids=position_ids, attention_mask=mask).loss
-    nll, count = causal_lm_loss(model, input_ids, position_ids=position_ids, attention_mask=mask)
+    nll, count = causal_lm_loss(model, input_ids, position_ids=position_ids, attention_mask=mask, head_loss=head_loss)
     return nll / count
 
 
 def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSequences, progress: TrainingProgress,
-          log: TrainingLog) -> dict[int, float]:
+          log: TrainingLog, head_loss: HeadLoss | None = None) -> dict[int, float]:
     """Run optimizer steps until ``config.steps``; each runs ``config.grad_accum`` micro-steps of ``config.batch_size``
     sequences per process. ``config`` is the job's :class:`~rope_patch.jobs.finetune.FinetuneConfig`. Returns
     ``{step: mean training loss}`` of the steps this call ran."""
@@ -118,7 +118,8 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
                 position_ids = pose_batch(positions, config.seq_len, config.pose_target_len, chunks=config.pose_chunks,
                                           seed=config.seed).to(accelerator.device)  # (B, seq_len)
             with accelerator.accumulate(model):
-                loss = micro_batch_loss(model, input_ids, position_ids=position_ids, plain=plain_loss)
+                loss = micro_batch_loss(model, input_ids, position_ids=position_ids, plain=plain_loss,
+                                        head_loss=head_loss)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and config.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
