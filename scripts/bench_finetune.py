@@ -57,13 +57,13 @@ PRESETS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
-    "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    "small": dict(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 SMOKE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=8192)
-DEFAULT_LENGTHS = {"llama3-8b": [16384, 32768, 65536, 131072], "small": [512, 1024]}
+DEFAULT_LENGTHS = {"llama3-8b": [16384, 32768, 65536, 131072], "small": [1024, 4096]}
 
 
 def build_config(preset: str, smoke: bool) -> LlamaConfig:
