@@ -13,7 +13,7 @@ from tiny_models import FAMILIES, build_model, family_config, tiny_llama_config
 from transformers.models.llama import modeling_llama
 
 from rope_patch.errors import KernelsUnavailableError
-from rope_patch.jobs import run_eval
+from rope_patch.jobs import run_eval, run_passkey
 from rope_patch.jobs.finetune import finetune
 from rope_patch.kernels import apply_kernels, head_loss_for, kernels_applied, liger_head_loss, remove_kernels
 from rope_patch.loss import causal_lm_loss
@@ -138,3 +138,11 @@ def test_a_family_liger_does_not_cover_is_refused_in_one_line():
     model = on_gpu(build_model(family_config("gpt_neox")))
     with pytest.raises(KernelsUnavailableError, match="no kernels for model type 'gpt_neox'"):
         apply_kernels(model, "liger")
+
+
+def test_passkey_generation_with_the_kv_cache_answers_as_without(tiny_folder):
+    folder, _ = tiny_folder
+    kwargs = dict(model=str(folder), method=["none", "yarn:factor=4"], lengths=[200], depths=[0.5], trials=2,
+                  max_new_tokens=5, dtype="fp32", output=None, progress=False)
+    plain, fused = run_passkey(**kwargs), run_passkey(kernels="liger", **kwargs)
+    assert [r["output"] for r in fused.records] == [r["output"] for r in plain.records]
