@@ -19,7 +19,7 @@ from torch import nn
 from .errors import UnsupportedModelError
 
 IGNORE_INDEX = -100  # a target that is not scored (transformers' and PyTorch's convention)
-DEFAULT_CHUNK = 4096  # tokens through the head at once: 4096 x 128,256 fp32 logits = 2 GiB
+DEFAULT_CHUNK = 1024  # tokens through the head at once: 1024 x 128,256 fp32 logits = 0.5 GiB
 
 # A fused linear cross-entropy kernel: (hidden (N, H), weight (V, H), targets (N,)) -> summed NLL, IGNORE_INDEX skipped.
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -73,22 +73,19 @@ class OutputHead:
         return self.bias is None and self.scale == 1.0 and not self.softcap
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits (n, V) of hidden states (n, H): the one place the head's arithmetic lives."""
-        logits = F.linear(hidden, self.weight, self.bias).float()  # (n, V)
+        """Float32 logits (n, V) of hidden states (n, H): the one place the head's arithmetic lives (in place on the
+        fresh product, so a chunk costs one n × V buffer)."""
+        logits = F.linear(hidden, self.weight, self.bias)  # (n, V)
+        logits = logits.float() if logits.dtype != torch.float32 else logits
         if self.scale != 1.0:
-            logits = logits * self.scale
+            logits.mul_(self.scale)
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
-    def logits_backward(self, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """Gradient with respect to ``W h + b`` from the gradient with respect to the final logits, in place:
-        d tanh(z/c)·c / dz = 1 − (logits/c)², then × scale."""
-        if self.softcap:
-            grad.mul_(1.0 - (logits / self.softcap).square_())
-        if self.scale != 1.0:
-            grad.mul_(self.scale)
-        return grad
+    def softcap_derivative(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """d(c · tanh(z / c))/dz = 1 − (logits / c)² (n, V), None without soft-capping."""
+        return (logits / self.softcap).square_().neg_().add_(1.0) if self.softcap else None
 
 
 @torch.no_grad()
@@ -115,9 +112,12 @@ class _ChunkedHeadNLL(torch.autograd.Function):
         lse = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for i in range(0, targets.shape[0], chunk):
-            logits = head.logits(hidden[i : i + chunk])  # (chunk, V)
+            logits = head.logits(hidden[i : i + chunk])  # (n, V)
+            t = targets[i : i + chunk]  # (n,)
             lse[i : i + chunk] = torch.logsumexp(logits, dim=-1)
-            total += F.cross_entropy(logits, targets[i : i + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
+            picked = logits.gather(1, t.clamp(min=0)[:, None]).squeeze(1)  # (n,) logit of each target
+            total += ((lse[i : i + chunk] - picked) * (t != IGNORE_INDEX)).sum()  # −log softmax at the target
+            del logits
         ctx.save_for_backward(hidden, targets, lse)
         ctx.head, ctx.chunk = head, chunk
         return total
@@ -133,19 +133,23 @@ class _ChunkedHeadNLL(torch.autograd.Function):
         for i in range(0, targets.shape[0], chunk):
             h, t = hidden[i : i + chunk], targets[i : i + chunk]  # (n, H), (n,)
             logits = head.logits(h)  # (n, V)
-            grad = torch.exp(logits - lse[i : i + chunk, None])  # softmax (n, V)
+            capped = head.softcap_derivative(logits)  # (n, V) or None
+            grad = logits.sub_(lse[i : i + chunk, None]).exp_()  # softmax, in place (n, V)
             scored = t != IGNORE_INDEX
             rows = scored.nonzero().squeeze(1)
             grad[rows, t[rows]] -= 1.0
-            grad.mul_((scored.float() * grad_total)[:, None])
-            grad = head.logits_backward(logits, grad).to(hidden.dtype)  # ∂/∂(Wh + b)
-            del logits
-            if need_hidden:
-                grad_hidden[i : i + chunk] = grad @ head.weight
+            grad.mul_((scored.float() * grad_total * head.scale)[:, None])
+            if capped is not None:
+                grad.mul_(capped)
+                del capped
+            # grad is now ∂Σ/∂(Wh + b), float32 (n, V)
             if need_weight:
-                grad_weight.addmm_(grad.t().float(), h.float())
+                grad_weight.addmm_(grad.t(), h.float())
             if need_bias:
-                grad_bias += grad.float().sum(0)
+                grad_bias += grad.sum(0)
+            if need_hidden:
+                grad_hidden[i : i + chunk] = grad.to(hidden.dtype) @ head.weight
+            del grad
         grad_weight = grad_weight.to(head.weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(head.bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
