@@ -193,3 +193,17 @@ def test_modules_first_imported_inside_are_forgotten(tiny_llama):
     import transformers.models.stablelm.modeling_stablelm as fresh
 
     assert fresh.apply_rotary_pos_emb is not reference_rope
+
+
+def test_a_patch_function_failing_half_way_leaves_the_model_as_it_was(tiny_llama):
+    dicts = instance_dicts(tiny_llama)
+
+    def fails():
+        tiny_llama.model.norm.forward = print
+        modeling_llama.LlamaMLP = None
+        raise RuntimeError("triton said no")
+
+    with pytest.raises(RuntimeError, match="triton said no"):
+        apply_instance_patch(tiny_llama, fails, "liger", "llama")
+    assert kernels_state(tiny_llama) is None and instance_dicts(tiny_llama) == dicts
+    assert modeling_llama.LlamaMLP is not None
