@@ -185,6 +185,9 @@ def final_hidden_states(model: nn.Module, input_ids: torch.Tensor, **inputs) -> 
         model(input_ids=input_ids, use_cache=False, logits_to_keep=1, **inputs)
     finally:
         hook.remove()
+    if not caught:
+        raise UnsupportedModelError(f"{type(inner).__name__}'s forward pass does not run its decoder "
+                                    f"({type(decoder).__name__}); rope_patch cannot take its last hidden state")
     return caught[-1]
 
 

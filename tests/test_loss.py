@@ -9,6 +9,7 @@ from transformers import AutoConfig
 
 from rope_patch.errors import UnsupportedModelError
 from rope_patch.loss import IGNORE_INDEX, OutputHead, causal_lm_loss, shift_targets, token_nll
+from rope_patch.train.lora import add_lora
 from tiny_models import NATIVE, build_model, family_config
 
 # llama: plain head; gemma: tied embeddings; gemma2: soft-capping; granite: logits / logits_scaling;
@@ -91,6 +92,14 @@ def test_lora_gradients_equal_the_models_own():
     assert_same_loss_and_grads(model, [(ids, masked(ids, seed=6))])
 
 
+def test_longlora_trainable_tied_embeddings_train_through_the_head():
+    """peft wraps the tied embeddings and head (modules_to_save): the head's weight is the trained copy."""
+    model = add_lora(tiny("llama", tie_word_embeddings=True), rank=4, alpha=8, targets=["q_proj", "v_proj"],
+                     train_embeddings_and_norms=True)
+    ids = batch(2)
+    assert_same_loss_and_grads(model, [(ids, ids)])
+
+
 def test_count_and_the_default_targets():
     model = tiny("llama")
     ids = batch(2)
@@ -127,3 +136,20 @@ def test_lora_on_the_output_head_is_refused():
     model = get_peft_model(tiny("llama"), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
     with pytest.raises(UnsupportedModelError, match="lm_head"):
         causal_lm_loss(model, batch(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_on_a_gpu_in_bf16_the_loss_and_gradients_follow_the_models_own(family):
+    model = tiny(family, vocab_size=4096).to("cuda", torch.bfloat16)
+    ids = batch(2, length=512).cuda()
+    plain = model(input_ids=ids, labels=ids).loss
+    plain.backward()
+    expected = grads(model)
+    nll, count = causal_lm_loss(model, ids, chunk=100)
+    (nll / count).backward()
+    got = grads(model)
+    assert (nll / count).item() == pytest.approx(plain.item(), rel=1e-2)
+    for name in expected:  # bf16 weights: the gradients agree in direction and size, not to the last bit
+        cosine = torch.nn.functional.cosine_similarity(got[name].float().flatten(), expected[name].float().flatten(), dim=0)
+        assert cosine > 0.99, name
