@@ -102,27 +102,36 @@ def apply_kernels(model: nn.Module, name: str | None) -> KernelState | None:
             f"liger-kernel has no kernels for model type {family!r} ({type(base).__name__}); it covers "
             f"{', '.join(sorted(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN))}: run without --kernels")
     accepted = inspect.signature(apply_fn).parameters
-    return apply_instance_patch(base, lambda: apply_fn(model=base, **{k: v for k, v in LIGER_OPTIONS.items()
-                                                                        if k in accepted}), name, family)
+    options = {k: v for k, v in LIGER_OPTIONS.items() if k in accepted}
+    return apply_instance_patch(base, lambda: apply_fn(model=base, **options), name, family)
 
 
 def apply_instance_patch(model: nn.Module, patch_globally: Callable[[], None], name: str, family: str) -> KernelState:
     """Run ``patch_globally`` (a function that patches the model instance and module-level names, as Liger's do),
-    keep its changes on the instance, undo those on modules, and bring back its RoPE function for this model only."""
+    keep its changes on the instance, undo those on modules, and bring back its RoPE function for this model only.
+    If it fails, the model is left as it was."""
     remove_kernels(model)
     before = {id(m): (m, dict(vars(m))) for m in model.modules()}
-    with module_names_kept() as replaced:
-        patch_globally()
     state = KernelState(name, family)
-    for (module_name, attribute), function in replaced.items():
-        if "rotary_pos_emb" in attribute and callable(function):
-            state.rope_modules += _swap_during_forward(model, module_name, attribute, function)
-    for module, old in before.values():
-        for key, value in vars(module).items():
-            if old.get(key, _MISSING) is not value:
-                state.changes.append((module, key, old.get(key, _MISSING)))
     setattr(model, STATE_ATTR, state)
+    try:
+        with module_names_kept() as replaced:
+            patch_globally()
+        for (module_name, attribute), function in replaced.items():
+            if "rotary_pos_emb" in attribute and callable(function):
+                state.rope_modules += _swap_during_forward(model, module_name, attribute, function)
+    except BaseException:
+        state.changes = _instance_changes(before)
+        remove_kernels(model)
+        raise
+    state.changes = _instance_changes(before)
     return state
+
+
+def _instance_changes(before: dict[int, tuple[nn.Module, dict[str, Any]]]) -> list[tuple[Any, str, Any]]:
+    """``(module, attribute, value before or _MISSING)`` for every instance attribute changed since ``before``."""
+    return [(module, key, old.get(key, _MISSING)) for module, old in before.values()
+            for key, value in vars(module).items() if key != STATE_ATTR and old.get(key, _MISSING) is not value]
 
 
 def remove_kernels(model: nn.Module) -> bool:

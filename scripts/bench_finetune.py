@@ -48,6 +48,7 @@ import multiprocessing as mp
 import platform
 import resource
 import time
+from queue import Empty
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -104,7 +105,16 @@ def prepare(variant: str, model: torch.nn.Module):
 
 
 def run_variant(variant: str, args, queue) -> None:
-    """One child process: build the model, then for each length a warm-up and timed optimizer steps; one row each."""
+    """One child process: its rows, then None; an error that is not an out-of-memory becomes a row too."""
+    try:
+        measure_variant(variant, args, queue)
+    except Exception as error:  # e.g. --kernels liger where it cannot run: one row with the reason, not a hang
+        queue.put({"variant": variant, "tokens": args.lengths[0], "error": f"{type(error).__name__}: {error}"})
+    queue.put(None)
+
+
+def measure_variant(variant: str, args, queue) -> None:
+    """Build the model, then for each length a warm-up and timed optimizer steps; one row each."""
     from rope_patch.kernels import preferred_attention
 
     device = torch.device(args.device)
@@ -148,7 +158,6 @@ def run_variant(variant: str, args, queue) -> None:
                 seconds = (time.perf_counter() - start) / args.steps
         except torch.OutOfMemoryError:
             queue.put({**row, "error": "OOM"})
-            queue.put(None)
             return
         row.update(seconds=seconds, tokens_per_s=length / seconds, first_loss=first_loss, loss=loss,
                    mfu=train_flops(config, length) / seconds / (args.peak_tflops * 1e12) if cuda else None)
@@ -158,7 +167,6 @@ def run_variant(variant: str, args, queue) -> None:
             row.update(peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                        rss_after_build_gib=built_rss)
         queue.put(row)
-    queue.put(None)
 
 
 def run_all(args) -> list[dict]:
@@ -169,16 +177,25 @@ def run_all(args) -> list[dict]:
         process = ctx.Process(target=run_variant, args=(variant, args, queue))
         process.start()
         done = set()
-        while (row := queue.get()) is not None:  # rows arrive as each length finishes
+        while True:  # rows arrive as each length finishes; None ends them, and so does a child that died
+            try:
+                row = queue.get(timeout=10)
+            except Empty:
+                if process.is_alive():
+                    continue
+                break
+            if row is None:
+                break
             rows.append(row)
             done.add(row["tokens"])
             print(json.dumps(rows[-1]), flush=True)
         process.join()
         for length in args.lengths:
             if length not in done:
-                oom = any(r.get("error") == "OOM" and r["variant"] == variant for r in rows)
-                rows.append({"variant": variant, "tokens": length,
-                             "error": "skipped (OOM at a shorter length)" if oom else f"exit code {process.exitcode}"})
+                failed = next((r["error"] for r in rows if r["variant"] == variant and "error" in r), None)
+                reason = "skipped (OOM at a shorter length)" if failed == "OOM" else (
+                    "skipped (failed at a shorter length)" if failed else f"child exited with code {process.exitcode}")
+                rows.append({"variant": variant, "tokens": length, "error": reason})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -4,6 +4,7 @@ tested on a GPU in test_kernels_cuda.py)."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -193,3 +194,45 @@ def test_modules_first_imported_inside_are_forgotten(tiny_llama):
     import transformers.models.stablelm.modeling_stablelm as fresh
 
     assert fresh.apply_rotary_pos_emb is not reference_rope
+
+
+def test_a_patch_function_failing_half_way_leaves_the_model_as_it_was(tiny_llama):
+    dicts = instance_dicts(tiny_llama)
+
+    def fails():
+        tiny_llama.model.norm.forward = print
+        modeling_llama.LlamaMLP = None
+        raise RuntimeError("triton said no")
+
+    with pytest.raises(RuntimeError, match="triton said no"):
+        apply_instance_patch(tiny_llama, fails, "liger", "llama")
+    assert kernels_state(tiny_llama) is None and instance_dicts(tiny_llama) == dicts
+    assert modeling_llama.LlamaMLP is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_liger_itself_patches_only_the_instance_and_comes_off_exactly(family, lora):
+    """Liger's own patch functions (patching only: its kernels need a GPU to run), where liger-kernel and triton are
+    installed; the GPU tests run the kernels."""
+    monkey_patch = pytest.importorskip("liger_kernel.transformers.monkey_patch")
+    from tiny_models import family_config
+
+    from rope_patch.kernels import LIGER_OPTIONS
+    from rope_patch.train.lora import add_lora
+
+    model = build_model(family_config(family))
+    if lora:
+        model = add_lora(model, rank=4, alpha=8, targets=["o_proj"], train_embeddings_and_norms=True)
+    base = model.get_base_model() if lora else model
+    apply_fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN[base.config.model_type]
+    options = {k: v for k, v in LIGER_OPTIONS.items() if k in inspect.signature(apply_fn).parameters}
+    names = {name: dict(vars(module)) for name, module in sys.modules.items()
+             if module is not None and name.startswith("transformers.models.")}
+    dicts = instance_dicts(model)
+
+    state = apply_instance_patch(base, lambda: apply_fn(model=base, **options), "liger", family)
+    assert state.rope_modules == 2 and instance_dicts(model) != dicts
+    assert all(vars(sys.modules[name]) == before for name, before in names.items())
+    remove_kernels(model)
+    assert instance_dicts(model) == dicts
