@@ -1,9 +1,9 @@
-"""RoPE methods: the registry, the built-in frequency methods, and the ``name:key=value`` spec grammar.
+"""RoPE methods: the registry, the built-in frequency and attention methods, and the ``name:key=value`` spec grammar.
 
 Pure maths: nothing here imports transformers or touches a model (that is :mod:`rope_patch.patching`).
 """
 
-from . import frequency  # noqa: F401  (registers the built-in methods)
+from . import attention, frequency  # noqa: F401  (registers the built-in methods)
 from .frequency import default_inv_freq, ntk_theta, yarn_attention_factor
 from .registry import (
     METHODS,
