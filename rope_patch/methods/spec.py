@@ -53,6 +53,24 @@ def split_combination(spec: str) -> list[tuple[str, dict[str, Any]]]:
     return parts
 
 
+Part = tuple[str, dict[str, Any]]
+
+
+def frequency_and_attention(method: str, params: Mapping[str, Any] | None = None) -> tuple[Part | None, Part | None]:
+    """The frequency part and the attention part of a method (name + keyword params, a spec, or a combination);
+    None where there is none."""
+    params = dict(params or {})
+    if not (COMBINE.search(method) or ":" in method):
+        parts = [(method, params)]
+    elif params:
+        raise InvalidParameterError(f"{method}: give the parameters in the spec or as keywords, not both, "
+                                    "e.g. patch(model, 'yarn:factor=2+rerope:window=512')")
+    else:
+        parts = split_combination(method)
+    by_kind = {get_method(name).kind: (name, given) for name, given in parts}
+    return by_kind.get("frequency"), by_kind.get("attention")
+
+
 def parse_method_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """``"yarn:factor=4,beta_fast=32"`` → ``("yarn", {"factor": 4, "beta_fast": 32})``; the name is checked.
     A combination (``"yarn:factor=2+rerope:window=512"``) comes back whole as its canonical label, with no params."""

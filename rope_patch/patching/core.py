@@ -19,9 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidParameterError
-from ..methods import compute_frequencies, get_method, method_label, resolve_params
-from ..methods.spec import COMBINE, split_combination
+from ..methods import compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
 from .attention import AttentionSetup, install_attention, remove_attention
 from .record import (
     ConfigSnapshot,
@@ -63,6 +61,7 @@ class PatchState:
     generate_snapshot: Any = None  # None: generate never wrapped; MISSING: wrapped, there was no instance generate
     frozen_length: int | None = None
     attention: AttentionSetup | None = None  # the attention method's installation, if any
+    label: str = ""  # canonical spec of the whole patch, e.g. yarn:factor=2+rerope:window=512
 
 
 def patch_state(model: nn.Module) -> PatchState | None:
@@ -138,11 +137,7 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     (``patch(model, "self_extend", group=4, window=1024)``) keeps the model's frequencies, whatever they are; a spec
     combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``.
     """
-    parts = split_combination(method) if COMBINE.search(method) or ":" in method else [(method, params)]
-    if len(parts) > 1 and params:
-        raise InvalidParameterError(f"{method}: give the parameters inside the spec, e.g. yarn:factor=2+rerope:window=512")
-    frequency = next(((n, p) for n, p in parts if get_method(n).kind == "frequency"), None)
-    attention = next(((n, p) for n, p in parts if get_method(n).kind == "attention"), None)
+    frequency, attention = frequency_and_attention(method, params)
     modules = find_rotary_modules(model)
     plan = []  # validate everything before changing anything: bad input leaves the model as it was
     if frequency is not None:
@@ -160,7 +155,7 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
         state.attention = install_attention(model, attention[0], attention_params, method_label(*attention))
         report = _attention_report(model, report, primary, attention[0], attention_params)
     setattr(model, STATE_ATTR, state)
-    report.label = "+".join(method_label(n, p) for n, p in parts) if len(parts) > 1 else method_label(method, params)
+    report.label = state.label = "+".join(method_label(*part) for part in (frequency, attention) if part)
     return report
 
 
@@ -268,7 +263,7 @@ def current_patch(model: nn.Module) -> dict[str, Any] | None:
     return {
         "method": state.method,
         "params": dict(state.given),
-        "label": method_label(state.method, state.given),
+        "label": state.label,
         "layer_types": layer_types if any(layer_types) else None,
     }
 
