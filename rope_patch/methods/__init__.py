@@ -3,7 +3,8 @@
 Pure maths: nothing here imports transformers or touches a model (that is :mod:`rope_patch.patching`).
 """
 
-from . import attention, frequency  # noqa: F401  (registers the built-in methods)
+from . import frequency  # noqa: F401, I001  (registers the frequency methods first: they lead every listing)
+from . import attention  # noqa: F401, I001  (then the attention methods)
 from .frequency import default_inv_freq, ntk_theta, yarn_attention_factor
 from .registry import (
     METHODS,

@@ -111,7 +111,7 @@ def test_every_family_matches_the_two_band_reference(family):
         with rope_patch.patched(model, name, **params), torch.no_grad():
             actual = model(ids).logits
         assert torch.allclose(actual, expected, atol=1e-5, rtol=0), (family, name, (actual - expected).abs().max())
-        assert not torch.allclose(actual, plain, atol=1e-3), (family, name)  # the method does change the model
+        assert (actual - plain).abs().max() > 1e-4, (family, name)  # the method does change the model
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_neox"])
