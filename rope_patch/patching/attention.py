@@ -79,35 +79,116 @@ def two_band_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        far_key: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int,
                        mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
     """Softmax attention where pairs at distance d = q_pos − k_pos < ``window`` score query·key and farther pairs
-    score far_query·far_key, tiled over query blocks. query/far_query [b, h, q, dim]; key/far_key/value [b, h, k, dim]
-    (heads already repeated for GQA); q_pos [b, q], k_pos [b, k]; mask: None (causal by position), bool (True = attend)
-    or additive, [b, 1, q, k]. Returns [b, q, h, dim] (transformers' attention-function layout)."""
+    score far_query·far_key. query/far_query [b, h, q, dim]; key/far_key/value [b, h, k, dim] (heads already repeated
+    for GQA); q_pos [b, q], k_pos [b, k]; mask: None (causal by position), bool (True = attend) or additive,
+    [b, 1, q, k]. Returns [b, q, h, dim] (transformers' attention-function layout).
+
+    Without a mask or a softcap (one unpadded sequence: every perplexity window, every passkey prompt) the keys every
+    row of a query tile sees in the far band go through a fused attention kernel that returns its log-sum-exp, and only
+    the band of W + tile keys around the diagonal is scored by hand; the two are merged by their log-sum-exps. Else
+    each tile is scored by hand over all its keys (:func:`exact_tile`)."""
     batch, heads, length, _ = query.shape
     keys = key.shape[2]
-    block = query_block_size(heads, keys, batch)
+    fused = mask is None and softcap is None
+    block = band_block_size(heads, window, batch) if fused else query_block_size(heads, keys, batch)
     outputs = []
     for start in range(0, length, block):
         end = min(start + block, length)
         key_end = keys - length + end  # keys after the last query of the tile are never attended (causal)
         near_start = max(0, keys - length + start - window + 1)  # keys before this are far for every row of the tile
-        far_end = max(near_start, keys - length + end - window)  # keys from here on are near for every row
-        distance = q_pos[:, start:end, None] - k_pos[:, None, :key_end]  # [b, n, key_end]
-        near = torch.matmul(query[:, :, start:end], key[:, :, near_start:key_end].transpose(-1, -2))
-        far = torch.matmul(far_query[:, :, start:end], far_key[:, :, :far_end].transpose(-1, -2))
-        overlap = far_end - near_start  # columns where rows disagree: choose pair by pair
-        mixed = torch.where(distance[:, None, :, near_start:far_end] < window, near[..., :overlap], far[..., near_start:])
-        scores = torch.cat([far[..., :near_start], mixed, near[..., overlap:]], dim=-1).float() * scaling
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if mask is None:
-            scores.masked_fill_(distance[:, None] < 0, torch.finfo(scores.dtype).min)
-        elif mask.dtype == torch.bool:
-            scores.masked_fill_(~mask[:, :, start:end, :key_end], torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask[:, :, start:end, :key_end].float()
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
-        outputs.append(torch.matmul(probs, value[:, :, :key_end]))  # [b, h, n, dim]
+        rows = slice(start, end)
+        if not fused:
+            outputs.append(exact_tile(query[:, :, rows], key[:, :, :key_end], value[:, :, :key_end],
+                                      far_query[:, :, rows], far_key[:, :, :key_end], q_pos[:, rows],
+                                      k_pos[:, :key_end], window, None if mask is None else mask[:, :, rows, :key_end],
+                                      scaling, softcap, near_start))
+            continue
+        band = slice(near_start, key_end)
+        out, lse = band_tile(query[:, :, rows], key[:, :, band], value[:, :, band], far_query[:, :, rows],
+                             far_key[:, :, band], q_pos[:, rows, None] - k_pos[:, None, band], window, scaling)
+        if near_start > 0:  # the far keys every row of the tile attends to in full: a fused kernel
+            bulk_out, bulk_lse = attention_with_lse(far_query[:, :, rows], far_key[:, :, :near_start],
+                                                    value[:, :, :near_start], scaling)
+            out = merge_by_lse(out, lse, bulk_out, bulk_lse)
+        outputs.append(out.to(value.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def band_block_size(heads: int, window: int, batch: int) -> int:
+    """Rows per query tile so that the hand-scored band (tile × (W + tile) fp32 scores, all heads) stays near
+    TILE_BYTES."""
+    budget = TILE_BYTES // max(1, 4 * heads * batch)
+    rows = 64
+    while (2 * rows) * (window + 2 * rows) <= budget and rows < 4096:
+        rows *= 2
+    return rows
+
+
+def band_tile(query, key, value, far_query, far_key, distance, window: int, scaling: float):
+    """Attention of one query tile over the band of keys around the diagonal, scored by hand: near pairs (0 ≤ d < W)
+    query·key, far pairs far_query·far_key, d < 0 masked. Returns (output [b, h, n, dim] fp32, log-sum-exp [b, h, n])."""
+    near = torch.matmul(query, key.transpose(-1, -2)).float()  # [b, h, n, band]
+    far = torch.matmul(far_query, far_key.transpose(-1, -2)).float()
+    distance = distance[:, None]  # [b, 1, n, band]
+    scores = torch.where(distance < window, near, far) * scaling
+    scores.masked_fill_(distance < 0, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # every row sees its own key: finite
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs.to(value.dtype), value).float(), lse
+
+
+def attention_with_lse(query, key, value, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention and its log-sum-exp per row, (output [b, h, n, dim] fp32, lse [b, h, n] fp32), through a
+    fused kernel where the device has one (CPU flash; CUDA flash for bf16/fp16, memory-efficient for fp32)."""
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False,
+                                                                                scale=scaling)
+        return out.float(), lse.float()
+    if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, False, False,
+                                                                       scale=scaling)[:2]
+        return out.float(), lse.float()
+    if query.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, True, 0.0, False,
+                                                                           scale=scaling)[:2]
+        return out.float(), lse[..., : query.shape[2]].float()  # the kernel pads lse to a multiple of 32 rows
+    return explicit_attention_with_lse(query, key, value, scaling)
+
+
+def explicit_attention_with_lse(query, key, value, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as :func:`attention_with_lse` with plain matmuls (other devices, and the tests' oracle of the kernels)."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(value.dtype), value).float(), lse
+
+
+def merge_by_lse(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """Softmax attention over the union of two disjoint key sets, from each set's output and log-sum-exp."""
+    total = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - total)[..., None] + out_b * torch.exp(lse_b - total)[..., None]
+
+
+def exact_tile(query, key, value, far_query, far_key, q_pos, k_pos, window: int, mask, scaling: float,
+               softcap: float | None, near_start: int) -> torch.Tensor:
+    """One query tile over all its keys, scored by hand (any mask, softcap): both bands, chosen pair by pair.
+    query [b, h, n, dim], key [b, h, key_end, dim], mask [b, 1, n, key_end] or None. Returns [b, h, n, dim]."""
+    key_end = key.shape[2]
+    far_end = max(near_start, key_end - window)  # keys from here on are near for every row
+    distance = q_pos[:, :, None] - k_pos[:, None, :]  # [b, n, key_end]
+    near = torch.matmul(query, key[:, :, near_start:].transpose(-1, -2))
+    far = torch.matmul(far_query, far_key[:, :, :far_end].transpose(-1, -2))
+    overlap = far_end - near_start  # columns where rows disagree: choose pair by pair
+    mixed = torch.where(distance[:, None, :, near_start:far_end] < window, near[..., :overlap], far[..., near_start:])
+    scores = torch.cat([far[..., :near_start], mixed, near[..., overlap:]], dim=-1).float() * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        scores.masked_fill_(distance[:, None] < 0, torch.finfo(scores.dtype).min)
+    elif mask.dtype == torch.bool:
+        scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask.float()
+    return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -217,3 +217,33 @@ def test_bad_parameters_get_one_clear_error(tiny_llama, spec, problem):
 def test_a_combination_needs_one_method_of_each_kind(tiny_llama, spec):
     with pytest.raises(InvalidParameterError, match="one frequency method with one attention method"):
         rope_patch.patch(tiny_llama, spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_log_sum_exp_equals_plain_maths(dtype):
+    """The CPU kernel behind the far band (the CUDA kernels are checked by the cuda test below) against matmuls."""
+    from rope_patch.patching.attention import attention_with_lse, explicit_attention_with_lse
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=gen).to(dtype) for n in (5, 40, 40))
+    out, lse = attention_with_lse(q, k, v, 0.3)
+    want_out, want_lse = explicit_attention_with_lse(q.float(), k.float(), v.float(), 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(lse, want_lse, atol=tol) and torch.allclose(out, want_out, atol=tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_the_cuda_path_matches_the_reference(name, dtype, tolerance):
+    """On a GPU: the fused path (flash for bf16, memory-efficient for fp32) against the fp32 oracle on the CPU."""
+    model = build_model(tiny_llama_config())
+    ids = torch.randint(3, 120, (1, 300), generator=torch.Generator().manual_seed(8))
+    expected = reference_logits(model, ids, name, METHODS[name])
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    model.to("cuda", dtype)
+    model.model.rotary_emb.inv_freq = inv_freq.cuda()  # fp32 frequencies, as loading keeps them
+    with rope_patch.patched(model, name, **METHODS[name]), torch.no_grad():
+        actual = model(ids.cuda()).logits.float().cpu()
+    assert (actual - expected).abs().max() < tolerance
