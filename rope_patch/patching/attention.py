@@ -29,7 +29,8 @@ from .rotary import MISSING, find_rotary_modules, inv_freq_buffer
 
 ATTENTION_NAME = "rope_patch"  # the name our function is registered under in transformers' attention interface
 SETUP_ATTR = "_rope_patch_attention"
-TILE_BYTES = 64 * 2**20  # fp32 score bytes of one query tile (all heads): the peak extra memory of the attention
+TILE_BYTES = 64 * 2**20  # fp32 score bytes of one query tile (all heads) on a CPU: the peak extra memory of attention
+CUDA_TILE_BYTES = 1024 * 2**20  # on a GPU: fewer, larger tiles (kernel launches dominate small ones)
 
 
 @dataclass
@@ -70,9 +71,13 @@ def rotate_by(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> t
     return torch.cat([first * cos - second * sin, second * cos + first * sin, rest], dim=-1)
 
 
-def query_block_size(heads: int, keys: int, batch: int) -> int:
-    """Rows per query tile so that one fp32 score tile over all keys stays near TILE_BYTES."""
-    return max(16, TILE_BYTES // max(1, 4 * heads * keys * batch))
+def tile_bytes(device: torch.device) -> int:
+    return CUDA_TILE_BYTES if device.type == "cuda" else TILE_BYTES
+
+
+def query_block_size(heads: int, keys: int, batch: int, budget: int) -> int:
+    """Rows per query tile so that one fp32 score tile over all keys stays near ``budget`` bytes."""
+    return max(16, budget // max(1, 4 * heads * keys * batch))
 
 
 def two_band_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, far_query: torch.Tensor,
@@ -90,7 +95,8 @@ def two_band_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     batch, heads, length, _ = query.shape
     keys = key.shape[2]
     fused = mask is None and softcap is None
-    block = band_block_size(heads, window, batch) if fused else query_block_size(heads, keys, batch)
+    budget = tile_bytes(query.device)
+    block = band_block_size(heads, window, batch, budget) if fused else query_block_size(heads, keys, batch, budget)
     outputs = []
     for start in range(0, length, block):
         end = min(start + block, length)
@@ -114,10 +120,10 @@ def two_band_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
-def band_block_size(heads: int, window: int, batch: int) -> int:
+def band_block_size(heads: int, window: int, batch: int, budget: int) -> int:
     """Rows per query tile so that the hand-scored band (tile × (W + tile) fp32 scores, all heads) stays near
-    TILE_BYTES."""
-    budget = TILE_BYTES // max(1, 4 * heads * batch)
+    ``budget`` bytes."""
+    budget = budget // max(1, 4 * heads * batch)
     rows = 64
     while (2 * rows) * (window + 2 * rows) <= budget and rows < 4096:
         rows *= 2
