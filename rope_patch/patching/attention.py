@@ -24,6 +24,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..errors import UnsupportedModelError
 from ..methods import get_method
 from .rotary import MISSING, find_rotary_modules, inv_freq_buffer
 
@@ -208,6 +209,9 @@ def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     """The function transformers calls in place of eager/sdpa/flash attention on a model patched with an attention
     method. query [b, h, q, dim], key/value [b, kv_heads, k, dim], rotated at their absolute positions."""
     setup: AttentionSetup = module.__dict__[SETUP_ATTR]
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError(f"{type(module).__name__} uses attention sinks, which the attention-level methods "
+                                    "do not support; use a frequency method")
     heads, length, keys = query.shape[1], query.shape[2], key.shape[2]
     positions = setup.positions[:, -length:].to(query.device).float()  # [b or 1, q]
     q_pos = positions.expand(query.shape[0], -1)
