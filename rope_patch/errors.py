@@ -36,3 +36,8 @@ class ConfigError(RopePatchError):
 
 class MissingExtraError(RopePatchError):
     """An optional extra that a feature needs is not installed; the message names the pip command."""
+
+
+class KernelsUnavailableError(RopePatchError):
+    """Fused kernels (``--kernels liger``) asked for where they cannot run: no CUDA GPU, the package missing, or a
+    model family the kernels do not cover."""

@@ -13,9 +13,11 @@ import math
 import sys
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from .methods import RopeBase, compute_frequencies, method_label, resolve_params
+from .methods import RopeBase, compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
+from .methods.attention import far_relative_position
 from .patching import current_patch, primary_rotary, rotary_setup, saved_patch
 
 
@@ -82,9 +84,10 @@ def frequency_table(
     base = RopeBase(info.rope_theta, info.rotary_dim, info.native_length)
     before, _ = compute_frequencies("none", base, {})
     after, attention_factor = None, None
+    frequency = frequency_and_attention(method, params)[0] if method else None
     if method:
-        resolved = resolve_params(method, base, params or {})
-        after, attention_factor = compute_frequencies(method, base, resolved, seq_len=None)
+        name, given = frequency or ("none", {})
+        after, attention_factor = compute_frequencies(name, base, resolve_params(name, base, given), seq_len=None)
     rows = []
     for i, theta in enumerate(before.tolist()):
         row = {"pair": i, "wavelength": 2 * math.pi / theta, "turns": info.native_length * theta / (2 * math.pi)}
@@ -96,8 +99,31 @@ def frequency_table(
     return rows, None if attention_factor is None else float(attention_factor)
 
 
+def relative_positions(info: RotaryInfo, method: str | None, params: dict | None = None) -> list[dict]:
+    """The relative position a query-key pair sees at a few distances under the spec's attention method (none: []);
+    the query sits at the pair's distance (key at 0), which is what Self-Extend's grouping depends on."""
+    attention = frequency_and_attention(method, params)[1] if method else None
+    if attention is None:
+        return []
+    base = RopeBase(info.rope_theta, info.rotary_dim, info.native_length)
+    resolved = resolve_params(attention[0], base, attention[1])
+    window, native = resolved["window"], info.native_length
+    distances = torch.tensor(sorted({window // 2, window, 2 * window, native, 2 * native, 4 * native, 8 * native}),
+                             dtype=torch.float32)
+    seen = far_relative_position(attention[0], resolved, distances, distances)
+    return [{"distance": int(d), "relative_position": float(r)} for d, r in zip(distances.tolist(), seen.tolist())]
+
+
+def format_positions(method: str, rows: list[dict]) -> list[str]:
+    attention = frequency_and_attention(method)[1]
+    lines = ["", f"attention method {method_label(*attention)}: {get_method(attention[0]).formula}",
+             f"{'distance d':>11} {'position seen':>14}"]
+    lines += [f"{row['distance']:>11} {row['relative_position']:>14.1f}" for row in rows]
+    return lines
+
+
 def format_report(info: RotaryInfo, rows: list[dict], method: str | None = None, params: dict | None = None,
-                  attention_factor: float | None = None) -> str:
+                  attention_factor: float | None = None, positions: list[dict] | None = None) -> str:
     lines = [
         f"model          {info.model_type}",
         f"rotary module  {info.rotary_class}" + (f" (layer type {info.layer_type})" if info.layer_type else ""),
@@ -123,4 +149,6 @@ def format_report(info: RotaryInfo, rows: list[dict], method: str | None = None,
     below = sum(r["turns"] < 1 for r in rows)
     lines.append(f"{below} of {len(rows)} pairs turn less than once in the native window: "
                  "they never saw all angles in training, and are the ones that break past it.")
+    if positions:
+        lines += format_positions(method_label(method, params), positions)
     return "\n".join(lines)

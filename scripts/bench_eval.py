@@ -14,6 +14,10 @@ and peak memory (``torch.cuda.max_memory_allocated``).
     python scripts/bench_eval.py                       # CPU figures for BENCHMARKS.md
     python scripts/bench_eval.py --device cuda         # GPU figures
     python scripts/bench_eval.py --device cpu --preset llama2-7b --smoke   # the GPU code path, shrunk, on CPU
+    python scripts/bench_eval.py --device cuda --method self_extend:group=8,window=1024   # a patched model's path
+
+``--method`` patches the model first (both variants), e.g. an attention-level method, whose fused far band then runs
+in the measurement (scripts/bench_attention_methods.py compares methods on the embedded model).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import resource
 import time
 
 import torch
+
+from rope_patch import patch
 
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
@@ -48,17 +54,19 @@ def nll_plain(model, ids: torch.Tensor) -> float:
 
 @torch.no_grad()
 def nll_ours(model, ids: torch.Tensor, loss_chunk: int) -> float:
-    from rope_patch.perplexity import window_nll
+    from rope_patch.eval.perplexity import window_nll
 
     return window_nll(model, ids, [1], loss_chunk=loss_chunk)[0].double().mean().item()
 
 
-def cpu_variant(variant: str, dtype: str, length: int, loss_chunk: int, queue) -> None:
+def cpu_variant(variant: str, dtype: str, length: int, loss_chunk: int, method: str | None, queue) -> None:
     """One CPU measurement in a fresh process: load, score the window, report time and peak RSS."""
-    from rope_patch.models import load_model
+    from rope_patch.loading import load_model
 
     torch.manual_seed(0)
     model, tokenizer = load_model(None, dtype=dtype, device="cpu", attn_implementation="sdpa")
+    if method:
+        patch(model, method)
     ids = default_window(tokenizer, length)
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     score = (lambda w: nll_plain(model, w)) if variant == "plain" else (lambda w: nll_ours(model, w, loss_chunk))
@@ -76,7 +84,7 @@ def run_cpu(args) -> list[dict]:
     rows = []
     for variant, dtype in (("plain", "fp32"), ("ours", "fp32"), ("ours", "bf16")):
         queue = ctx.Queue()
-        process = ctx.Process(target=cpu_variant, args=(variant, dtype, args.length, args.loss_chunk, queue))
+        process = ctx.Process(target=cpu_variant, args=(variant, dtype, args.length, args.loss_chunk, args.method, queue))
         process.start()
         process.join()
         if process.exitcode != 0:
@@ -97,7 +105,7 @@ def model_flops(config, length: int) -> float:
 def run_gpu(args) -> list[dict]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from rope_patch.perplexity import default_attention
+    from rope_patch.loading import default_attention
 
     device = torch.device(args.device)
     shape = {**LLAMA2_7B, **(SMOKE if args.smoke else {})}
@@ -105,6 +113,8 @@ def run_gpu(args) -> list[dict]:
     config._attn_implementation = default_attention(device)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    if args.method:
+        patch(model, args.method)
     ids = torch.randint(0, config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0)).to(device)
     flops = model_flops(config, args.length)
     rows = []
@@ -128,6 +138,7 @@ def run_gpu(args) -> list[dict]:
             continue
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         rows.append({"variant": variant, "dtype": "bf16", "attention": config._attn_implementation,
+                     "method": args.method or "none",
                      "tokens": args.length,
                      "seconds": seconds, "tokens_per_s": args.length / seconds, "loss": loss,
                      "mfu": flops / seconds / (args.peak_tflops * 1e12), "peak_mem_gib": peak})
@@ -145,6 +156,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats on GPU (after one warm-up)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
     parser.add_argument("--smoke", action="store_true", help="shrink the llama2-7b preset to check the code path")
+    parser.add_argument("--method", help="patch the model with this method spec first, e.g. rerope:window=2048")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     args.preset = args.preset or ("llama2-7b" if args.device.startswith("cuda") else "smollm2")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -10,6 +12,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..eval.sweep import AS_LOADED, method_entries
+from ..kernels import KERNELS, KERNELS_HELP, check_kernels_available, kernels_applied, preferred_attention
 from ..loading import default_attention, load_model, model_label
 from .options import JobConfig, option
 
@@ -30,10 +33,12 @@ class SweepConfig(JobConfig):
                         choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
                                                    "flash_attention_2 on a GPU where installed)")
+    kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
     progress: bool = option(True, "show a progress bar")
 
     def validate(self) -> None:
         method_entries(None, self.method)  # a typo fails before anything is loaded
+        check_kernels_available(self.kernels)
 
 
 @dataclass
@@ -70,3 +75,11 @@ def load_for_job(name: str | None, *, dtype: str, attn_implementation: str | Non
     model, tokenizer = load_model(name, dtype=dtype, device=device,
                                   attn_implementation=attn_implementation or default_attention(device))
     return LoadedModel(model, tokenizer, model_label(name))
+
+
+@contextlib.contextmanager
+def fast_path(model: nn.Module, kernels: str | None) -> Iterator[None]:
+    """The block runs with the job's ``--kernels`` on the model and cuDNN attention first in SDPA's order (on CUDA); the
+    model is as it was afterwards."""
+    with kernels_applied(model, kernels), preferred_attention():
+        yield

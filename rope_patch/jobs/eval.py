@@ -17,7 +17,7 @@ from ..eval.perplexity_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, load_for_job, split_loaded
+from .common import SweepConfig, fast_path, load_for_job, split_loaded
 from .options import option
 
 BOS_CHOICES = {"auto": None, "yes": True, "no": False}
@@ -126,9 +126,10 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
         with accelerator.main_process_first():
             store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS)
 
-    records, failures = evaluate(model, chosen, config.method, config.lengths, protocol, batch_size=config.batch_size,
-                                 loss_chunk=config.loss_chunk, store=store, setup=setup, accelerator=accelerator,
-                                 progress=config.progress)
+    with fast_path(model, config.kernels):
+        records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
+                                     batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,
+                                     setup=setup, accelerator=accelerator, progress=config.progress)
     rows = summarize(records, method_entries(model, config.method), config.lengths, protocol=config.protocol,
                      stride=protocol.effective_stride, bos=protocol.bos, skipped=skipped, failures=failures)
     files = {}

@@ -20,6 +20,15 @@ from accelerate.utils import set_seed
 
 from ..data import PackedSequences
 from ..errors import ConfigError
+from ..kernels import (
+    KERNELS,
+    KERNELS_HELP,
+    apply_kernels,
+    check_kernels_available,
+    head_loss_for,
+    preferred_attention,
+    remove_kernels,
+)
 from ..loading import load_model
 from ..methods import parse_method_spec
 from ..patching import patch
@@ -78,6 +87,7 @@ class FinetuneConfig(JobConfig):
                             choices=("auto", "fp32", "bf16-mixed", "bf16"))
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (e.g. sdpa, "
                                                    "flash_attention_2, eager)")
+    kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
     output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/")
     save_every: int = option(0, "save a resumable checkpoint every N steps (0: only the final model)")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep (0: all)")
@@ -108,6 +118,7 @@ class FinetuneConfig(JobConfig):
         if not 1 <= self.pose_chunks <= self.seq_len:
             raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
+        check_kernels_available(self.kernels)
 
 
 @dataclass
@@ -150,6 +161,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     if config.lora:
         model = add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
                          train_embeddings_and_norms=config.train_embeddings_and_norms)
+    apply_kernels(model, config.kernels)  # after LoRA, so that Liger also patches the norms peft copied to train them
     model.train()
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -175,7 +187,10 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
                           f"{config.batch_size * config.grad_accum * accelerator.num_processes} x {config.seq_len} tokens")
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
 
-    losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log)
+    with preferred_attention():
+        losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
+                       head_loss=head_loss_for(model))
+    remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
     final = save_final_model(accelerator, model, tokenizer, output, lora=config.lora, save_adapter=config.save_adapter)
     return FinetuneResult(output, losses, final, accelerator.is_main_process)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..loading import load_structure
 from ..methods import parse_method_spec
-from ..rotary_info import RotaryInfo, describe_rotary, format_report, frequency_table
+from ..rotary_info import RotaryInfo, describe_rotary, format_report, frequency_table, relative_positions
 from .common import MODEL_HELP
 from .options import JobConfig, option
 
@@ -28,12 +28,14 @@ class InspectConfig(JobConfig):
 
 @dataclass
 class InspectResult:
-    """The rotary set-up, the per-pair rows and the method's attention factor; ``str()`` is the printed report."""
+    """The rotary set-up, the per-pair rows, the method's attention factor and (attention methods) the relative position
+    seen at a few distances; ``str()`` is the printed report."""
 
     info: RotaryInfo
     rows: list[dict]
     attention_factor: float | None
     report: str
+    positions: list[dict] = field(default_factory=list)
 
     def __str__(self) -> str:
         return self.report
@@ -45,4 +47,5 @@ def run_inspect(config: InspectConfig | None = None, /, **options: Any) -> Inspe
     method, params = parse_method_spec(config.method) if config.method else (None, {})
     info = describe_rotary(load_structure(config.model))
     rows, factor = frequency_table(info, method, params)
-    return InspectResult(info, rows, factor, format_report(info, rows, method, params, factor))
+    positions = relative_positions(info, method, params)
+    return InspectResult(info, rows, factor, format_report(info, rows, method, params, factor, positions), positions)

@@ -14,7 +14,7 @@ from ..eval.harness_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, load_for_job, split_loaded
+from .common import SweepConfig, fast_path, load_for_job, split_loaded
 from .options import flag, option
 
 METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
@@ -108,12 +108,13 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     catalog = TaskCatalog(config.tasks, config.include_path)
     loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation)
     store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
-    records = evaluate_harness(
-        loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
-        max_length=config.max_length, batch_size=config.batch_size, limit=config.limit,
-        num_fewshot=config.num_fewshot, metadata=config.metadata, output=config.output, store=store,
-        model_name=loaded.label, catalog=catalog, progress=config.progress,
-    )
+    with fast_path(loaded.model, config.kernels):
+        records = evaluate_harness(
+            loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
+            max_length=config.max_length, batch_size=config.batch_size, limit=config.limit,
+            num_fewshot=config.num_fewshot, metadata=config.metadata, output=config.output, store=store,
+            model_name=loaded.label, catalog=catalog, progress=config.progress,
+        )
     rows = summarize(records)
     settings = {"model": loaded.label, "dtype": loaded.dtype,
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,

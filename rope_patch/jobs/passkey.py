@@ -13,7 +13,7 @@ from ..eval.passkey_report import format_table, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, load_for_job, split_loaded
+from .common import SweepConfig, fast_path, load_for_job, split_loaded
 from .options import option
 
 
@@ -68,9 +68,10 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
     if store is not None and len(store) and config.progress:
         tqdm.write(f"resuming: {len(store)} finished trials in {store.path}")
-    records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
-                               config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
-                               model_name=loaded.label, progress=config.progress)
+    with fast_path(loaded.model, config.kernels):
+        records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
+                                   config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
+                                   model_name=loaded.label, progress=config.progress)
     settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
                 "lengths": config.lengths, "depths": config.depths, "trials": config.trials, "seed": config.seed,
                 "max_new_tokens": config.max_new_tokens, "dtype": loaded.dtype,

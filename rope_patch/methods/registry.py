@@ -1,12 +1,16 @@
 """The method registry: what a RoPE method is, its parameters, and how given values are checked.
 
-A method maps the model's unscaled RoPE (:class:`RopeBase`: ``rope_theta``, rotary dimensions ``dim``, native length
+A frequency method maps the model's unscaled RoPE (:class:`RopeBase`: ``rope_theta``, rotary dimensions ``dim``, native length
 ``L``) and its own parameters to ``(inv_freq, attention_factor)``: the fp32 inverse frequencies θ_i of the ``dim/2``
 rotary pairs, and the factor by which cos and sin are multiplied. This is transformers' contract
 (``modeling_rope_utils.ROPE_INIT_FUNCTIONS``) without its coupling to a config object; nothing in
 :mod:`rope_patch.methods` imports transformers. Parameter names follow transformers' ``rope_parameters`` keys.
 
-The built-in methods live in :mod:`rope_patch.methods.frequency`; a user adds one with :func:`register_method`.
+An attention method (``kind="attention"``, :mod:`rope_patch.methods.attention`) instead maps absolute positions to the
+positions far query-key pairs are rotated at; it leaves the frequencies alone.
+
+The built-in methods live in :mod:`rope_patch.methods.frequency` and :mod:`rope_patch.methods.attention`; a user adds
+one with :func:`register_method`.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Method:
     rope_parameters: Callable[[RopeBase, dict], dict] | None = None  # transformers' equivalent config, if any
     context_length: Callable[[RopeBase, dict], int] = lambda base, p: base.native_length
     check: Callable[[RopeBase, dict], None] | None = None  # validation across parameters
+    kind: str = "frequency"  # "frequency": compute -> (inv_freq, factor); "attention": compute(**params) -> position maps
 
 
 METHODS: dict[str, Method] = {}
@@ -141,4 +146,7 @@ def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[
 
 def compute_frequencies(name: str, base: RopeBase, params: Mapping[str, Any], seq_len: int | None = None) -> Frequencies:
     """``(inv_freq, attention_factor)`` of a method at the current sequence length (validated params)."""
-    return get_method(name).compute(base, seq_len, **params)
+    method = get_method(name)
+    if method.kind != "frequency":
+        raise InvalidParameterError(f"{name} is an attention-level method: it has no frequencies of its own")
+    return method.compute(base, seq_len, **params)

@@ -1,9 +1,11 @@
 """Method specs as written on the command line and in YAML: ``"yarn:factor=4,beta_fast=32"`` or
-``{"name": "yarn", "factor": 4}``, and the canonical label a spec is reported under."""
+``{"name": "yarn", "factor": 4}``, a frequency method combined with an attention method
+(``"yarn:factor=2+self_extend:group=8,window=1024"``), and the canonical label a spec is reported under."""
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,8 +37,49 @@ def _split_top_level(text: str) -> list[str]:
     return parts + [current]
 
 
+COMBINE = re.compile(r"\+(?=\s*[A-Za-z_]\w*\s*(?::|$))")  # a '+' before a method name (not 1e+6)
+
+
+def split_combination(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """``"yarn:factor=2+self_extend:window=512"`` → one ``(name, params)`` per part, checked: at most one frequency
+    method and one attention method."""
+    parts = [parse_single_spec(part) for part in COMBINE.split(str(spec))]
+    kinds = [get_method(name).kind for name, _ in parts]
+    if len(parts) > 1 and sorted(kinds) != ["attention", "frequency"]:
+        raise InvalidParameterError(
+            f"method spec {spec!r}: combine one frequency method with one attention method, "
+            "e.g. yarn:factor=2+self_extend:group=8,window=1024"
+        )
+    return parts
+
+
+Part = tuple[str, dict[str, Any]]
+
+
+def frequency_and_attention(method: str, params: Mapping[str, Any] | None = None) -> tuple[Part | None, Part | None]:
+    """The frequency part and the attention part of a method (name + keyword params, a spec, or a combination);
+    None where there is none."""
+    params = dict(params or {})
+    if not (COMBINE.search(method) or ":" in method):
+        parts = [(method, params)]
+    elif params:
+        raise InvalidParameterError(f"{method}: give the parameters in the spec or as keywords, not both, "
+                                    "e.g. patch(model, 'yarn:factor=2+rerope:window=512')")
+    else:
+        parts = split_combination(method)
+    by_kind = {get_method(name).kind: (name, given) for name, given in parts}
+    return by_kind.get("frequency"), by_kind.get("attention")
+
+
 def parse_method_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``"yarn:factor=4,beta_fast=32"`` → ``("yarn", {"factor": 4, "beta_fast": 32})``; the name is checked."""
+    """``"yarn:factor=4,beta_fast=32"`` → ``("yarn", {"factor": 4, "beta_fast": 32})``; the name is checked.
+    A combination (``"yarn:factor=2+rerope:window=512"``) comes back whole as its canonical label, with no params."""
+    if not isinstance(spec, Mapping) and COMBINE.search(str(spec)):
+        return "+".join(method_label(name, params) for name, params in split_combination(spec)), {}
+    return parse_single_spec(spec)
+
+
+def parse_single_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if isinstance(spec, Mapping):
         params = dict(spec)
         name = params.pop("name", params.pop("method", None))

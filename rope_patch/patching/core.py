@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..methods import compute_frequencies, get_method, method_label, resolve_params
+from ..methods import compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
+from .attention import AttentionSetup, install_attention, remove_attention
 from .record import (
     ConfigSnapshot,
     carries_scaling,
@@ -57,8 +58,10 @@ class PatchState:
     targets: list[RotaryTarget]
     module_snapshots: dict[int, ModuleSnapshot]
     config_snapshots: dict[int, tuple[Any, ConfigSnapshot]]
-    generate_snapshot: Any = MISSING
+    generate_snapshot: Any = None  # None: generate never wrapped; MISSING: wrapped, there was no instance generate
     frozen_length: int | None = None
+    attention: AttentionSetup | None = None  # the attention method's installation, if any
+    label: str = ""  # canonical spec of the whole patch, e.g. yarn:factor=2+rerope:window=512
 
 
 def patch_state(model: nn.Module) -> PatchState | None:
@@ -130,30 +133,42 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
 
     ``params`` use transformers' ``rope_parameters`` names (``factor``, ``original_max_position_embeddings``, ...);
     the model's own values are the defaults. ``layer_types`` matters for models with per-layer-type RoPE (Gemma 3):
-    the global (``full_attention``) layers by default, ``"all"``, or a list.
+    the global (``full_attention``) layers by default, ``"all"``, or a list. An attention method
+    (``patch(model, "self_extend", group=4, window=1024)``) keeps the model's frequencies, whatever they are; a spec
+    combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``.
     """
-    spec = get_method(method)
+    frequency, attention = frequency_and_attention(method, params)
     modules = find_rotary_modules(model)
     plan = []  # validate everything before changing anything: bad input leaves the model as it was
-    for name, module in modules:
-        for layer_type in select_layer_types(module, layer_types):
-            base = rotary_setup(model, module, layer_type)
-            check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type))
-            plan.append(RotaryTarget(name, module, layer_type, base, resolve_params(method, base, params)))
+    if frequency is not None:
+        for name, module in modules:
+            for layer_type in select_layer_types(module, layer_types):
+                base = rotary_setup(model, module, layer_type)
+                check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type))
+                plan.append(RotaryTarget(name, module, layer_type, base, resolve_params(frequency[0], base, frequency[1])))
+    primary = plan[0].base if plan else rotary_setup(model, *primary_rotary(model)[1:])
+    attention_params = resolve_params(attention[0], primary, attention[1]) if attention else None
     unpatch(model)
+    state = PatchState(method=method, given=dict(params), targets=plan, module_snapshots={}, config_snapshots={})
+    report = _patch_frequencies(model, state, modules, *frequency) if frequency else None
+    if attention is not None:
+        state.attention = install_attention(model, attention[0], attention_params, method_label(*attention))
+        report = _attention_report(model, report, primary, attention[0], attention_params)
+    setattr(model, STATE_ATTR, state)
+    report.label = state.label = "+".join(method_label(*part) for part in (frequency, attention) if part)
+    return report
+
+
+def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str, params: dict) -> PatchReport:
+    """Install the frequencies of ``state.targets`` and record them in the config (the frequency half of a patch)."""
+    spec, plan = get_method(method), state.targets
     replaced = reset_saved_patch(modules)
     first = plan[0]
     if replaced is None:
         rope_type = layer_rope_parameters(first.module.config, first.layer_type).get("rope_type", "default")
         replaced = None if rope_type == "default" else f"rope_type={rope_type}"
-
-    state = PatchState(
-        method=method,
-        given=dict(params),
-        targets=plan,
-        module_snapshots={id(m): snapshot_module(m) for _, m in modules},
-        config_snapshots={id(m.config): (m.config, snapshot_config(m.config)) for _, m in modules},
-    )
+    state.module_snapshots = {id(m): snapshot_module(m) for _, m in modules}
+    state.config_snapshots = {id(m.config): (m.config, snapshot_config(m.config)) for _, m in modules}
 
     def length(position_ids: torch.Tensor) -> int | None:
         """The length a dynamic method follows: the caller's fixed length, else max(position_ids) + 1."""
@@ -168,7 +183,6 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
         for config, snapshot in state.config_snapshots.values()
     ])
     state.generate_snapshot = _install_generate(model)
-    setattr(model, STATE_ATTR, state)
 
     _, attention = compute_frequencies(method, first.base, first.params, None)
     return PatchReport(
@@ -192,18 +206,36 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     )
 
 
+def _attention_report(model: nn.Module, report: PatchReport | None, base, method: str, params: dict) -> PatchReport:
+    """The report of a patch with an attention method, on top of its frequency half's report (if any)."""
+    spec = get_method(method)
+    note = (f"attention: {method_label(method, params)} through transformers' attention interface "
+            f"(not saved in config.json: re-apply it after loading)")
+    if report is None:
+        name, _, _ = primary_rotary(model)
+        return PatchReport(method, params, method_label(method, params), [name], [None], base.rope_theta, base.dim,
+                           base.native_length, spec.context_length(base, params), 1.0, note)
+    report.params = {**report.params, **params}
+    report.context_length = min(report.context_length * spec.context_length(base, params) // base.native_length,
+                                2**31 - 1)
+    report.saved_as += f"; {note}"
+    return report
+
+
 def unpatch(model: nn.Module) -> bool:
     """Restore the exact original rotary modules, config and ``generate``; False if the model was not patched."""
     state = patch_state(model)
     if state is None:
         return False
+    if state.attention is not None:
+        remove_attention(state.attention)
     for snapshot in state.module_snapshots.values():
         restore_module(snapshot)
     for config, snapshot in state.config_snapshots.values():
         restore_config(config, snapshot)
     if state.generate_snapshot is MISSING:
         model.__dict__.pop("generate", None)
-    else:
+    elif state.generate_snapshot is not None:
         model.generate = state.generate_snapshot
     delattr(model, STATE_ATTR)
     return True
@@ -231,7 +263,7 @@ def current_patch(model: nn.Module) -> dict[str, Any] | None:
     return {
         "method": state.method,
         "params": dict(state.given),
-        "label": method_label(state.method, state.given),
+        "label": state.label,
         "layer_types": layer_types if any(layer_types) else None,
     }
 

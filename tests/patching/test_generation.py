@@ -29,6 +29,10 @@ METHODS = {
     "llama3": {"factor": 2},
     "longrope": {"factor": 2, "short_factor": [1.0 + 0.1 * i for i in range(PAIRS)],
                  "long_factor": [1.0 + 0.5 * i for i in range(PAIRS)]},
+    # attention methods: the (20, 8) scenario starts below the window and crosses it while generating
+    "self_extend": {"group": 3, "window": 24},
+    "rerope": {"window": 24},
+    "leaky_rerope": {"window": 24, "factor": 4},
 }
 BUILT_IN = set(available_methods())  # read at import, before any test registers a method of its own
 DYNAMIC = ["dynamic_ntk", "dynamic_yarn", "longrope"]

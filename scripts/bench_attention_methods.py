@@ -1,0 +1,105 @@
+"""Time and peak memory of rope_patch's perplexity path with attention-level methods against ``yarn:factor=2``.
+
+The issue's budget: with an attention method, ``rope-patch eval`` at 16k on the default model stays within 2.5× the
+time and 1.5× the peak memory of ``yarn:factor=2``. Each method scores the same window (the first ``--length`` tokens
+of ``_pydecimal.py``) through ``window_nll``, the function ``rope-patch eval`` runs, on the embedded SmolLM2-135M.
+
+* CPU: each method in a fresh process, so its peak resident memory (``ru_maxrss``) is its own.
+* CUDA: one process, ``torch.cuda.max_memory_allocated`` per method, after one warm-up call (kernels, compilation).
+
+    python scripts/bench_attention_methods.py                     # CPU, 16k, dtype auto (what eval uses)
+    python scripts/bench_attention_methods.py --device cuda --length 32768
+    python scripts/bench_attention_methods.py --smoke             # every code path at 512 tokens, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import resource
+import time
+
+import torch
+
+METHODS = [
+    "yarn:factor=2",
+    "self_extend:group=8,window=1024",
+    "rerope:window=2048",
+    "leaky_rerope:window=2048,factor=16",
+]
+
+
+def measure(method: str, args, queue=None) -> dict:
+    """Load the default model, patch ``method``, score one window; time, loss and peak memory."""
+    from rope_patch import patch
+    from rope_patch.data import load_documents, tokenize_documents
+    from rope_patch.eval.perplexity import window_nll
+    from rope_patch.loading import default_attention, load_model
+
+    model, tokenizer = load_model(None, dtype=args.dtype, device=args.device,
+                                  attn_implementation=default_attention(args.device))
+    docs = {d.id: d for d in tokenize_documents(tokenizer, load_documents())}
+    ids = torch.as_tensor(docs["_pydecimal.py"].ids[: args.length].astype("int64"))[None].to(args.device)
+    patch(model, method)
+    cuda = args.device.startswith("cuda")
+    with torch.no_grad():
+        window_nll(model, ids[:, : min(args.length, 4096 if cuda else 256)], [1])  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = window_nll(model, ids, [1])[0].double().mean().item()
+        if cuda:
+            torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    row = {"method": method, "device": args.device, "dtype": str(next(model.parameters()).dtype),
+           "tokens": ids.shape[1], "seconds": round(seconds, 2), "loss": loss,
+           "perplexity": float(torch.tensor(loss).exp()), "peak_mib": round(peak / 2**20)}
+    if queue is not None:
+        queue.put(row)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--length", type=int, default=16384, help="tokens in the window")
+    parser.add_argument("--dtype", default="auto", help="auto (what eval uses), fp32 or bf16")
+    parser.add_argument("--method", action="append", help="method specs (default: yarn x2 and the three methods)")
+    parser.add_argument("--smoke", action="store_true", help="512 tokens: check every code path in seconds")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    if args.smoke:
+        args.length = 512
+    methods = args.method or METHODS
+    print(f"# {platform.node()}, torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads, {args.device}, {args.length} tokens", flush=True)
+    rows = []
+    for method in methods:
+        if args.device.startswith("cuda"):
+            rows.append(measure(method, args))
+        else:
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            process = ctx.Process(target=measure, args=(method, args, queue))
+            process.start()
+            process.join()
+            if process.exitcode != 0:
+                raise SystemExit(f"{method} failed with exit code {process.exitcode}")
+            rows.append(queue.get())
+        print(json.dumps(rows[-1]), flush=True)
+    reference = rows[0]
+    for row in rows[1:]:
+        print(f"{row['method']}: {row['seconds']:.1f} s ({row['seconds'] / reference['seconds']:.2f}x "
+              f"{reference['method']}), peak {row['peak_mib']} MiB ({row['peak_mib'] / reference['peak_mib']:.2f}x), "
+              f"ppl {row['perplexity']:.3f} vs {reference['perplexity']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Attention-level methods on tiny models of every family: exact against a hand-written two-band attention, equal to
+the unpatched model where they should be, cache-correct in generation, reversible, and one clear error for bad input.
+
+The oracle below is plain PyTorch written from the papers' formulas: it undoes the model's rotation of q and k, rotates
+them again at the remapped positions, builds both L × L score bands in full and picks one per pair by distance. It
+shares no code with rope_patch.patching.attention (it takes positions from arange, not from the cache or position
+hooks, and its position maps are written out here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import FAMILIES, build_model, family_config, tiny_llama_config
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import rope_patch
+from rope_patch.errors import InvalidParameterError
+
+REFERENCE = "rope_patch_test_reference"
+METHODS = {
+    "self_extend": {"group": 3, "window": 10},
+    "rerope": {"window": 12},
+    "leaky_rerope": {"window": 12, "factor": 4.0},
+}
+
+
+def far_positions(name: str, params: dict, i: torch.Tensor, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query position, key position) of a far pair, straight from the papers."""
+    w = params["window"]
+    if name == "self_extend":
+        g = params["group"]
+        return torch.floor(i / g) + w - math.floor(w / g), torch.floor(j / g)
+    if name == "rerope":
+        return torch.full_like(i, float(w)), torch.zeros_like(j)
+    k = params["factor"]
+    return i / k + w - w / k, j / k
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [b, h, n, d] at ``positions`` [n] on the first 2·len(inv_freq) dims."""
+    r = 2 * inv_freq.numel()
+    angle = positions[:, None].double() * inv_freq.double()  # [n, r/2]
+    cos, sin = torch.cat([angle.cos()] * 2, -1).float(), torch.cat([angle.sin()] * 2, -1).float()
+    x_rot, rest = x[..., :r], x[..., r:]
+    half = torch.cat([-x_rot[..., r // 2:], x_rot[..., : r // 2]], -1)
+    return torch.cat([x_rot * cos + half * sin, rest], -1)
+
+
+class Reference:
+    """The oracle attention, installed through transformers' interface under its own name."""
+
+    method: tuple[str, dict] | None = None
+    model = None
+
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+        name, params = Reference.method
+        rotary = next(m for m in Reference.model.modules() if any(b.endswith("inv_freq") for b in m._buffers))
+        layer_types = getattr(rotary.config, "layer_types", None)
+        buffer = "inv_freq" if "inv_freq" in rotary._buffers else f"{layer_types[module.layer_idx]}_inv_freq"
+        inv_freq = rotary._buffers[buffer].float()
+        n = query.shape[2]
+        i = torch.arange(n, dtype=torch.float32)
+        fq, fk = far_positions(name, params, i, i)
+        q_far = rotate(rotate(query, -i, inv_freq), fq, inv_freq)
+        k_far = rotate(rotate(key, -i, inv_freq), fk, inv_freq)
+        groups = query.shape[1] // key.shape[1]
+        key, k_far, value = (x.repeat_interleave(groups, 1) for x in (key, k_far, value))
+        near = query @ key.transpose(-1, -2)
+        far = q_far @ k_far.transpose(-1, -2)
+        d = i[:, None] - i[None, :]
+        scores = torch.where(d < params["window"], near, far) * (scaling or query.shape[-1] ** -0.5)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        allowed = d >= 0 if attention_mask is None else attention_mask
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return (torch.softmax(scores, -1) @ value).transpose(1, 2), None
+
+
+AttentionInterface.register(REFERENCE, Reference.attention)
+AttentionMaskInterface.register(REFERENCE, sdpa_mask)
+
+
+def reference_logits(model, ids: torch.Tensor, name: str, params: dict) -> torch.Tensor:
+    previous = model.config._attn_implementation
+    Reference.method, Reference.model = (name, params), model
+    model.config._attn_implementation = REFERENCE
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        model.config._attn_implementation = previous
+
+
+def family_model(family: str):
+    return build_model(family_config(family))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_matches_the_two_band_reference(family):
+    model = family_model(family)
+    ids = torch.randint(3, 120, (1, 90), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids).logits
+    for name, params in METHODS.items():
+        expected = reference_logits(model, ids, name, params)
+        with rope_patch.patched(model, name, **params), torch.no_grad():
+            actual = model(ids).logits
+        assert torch.allclose(actual, expected, atol=1e-5, rtol=0), (family, name, (actual - expected).abs().max())
+        assert (actual - plain).abs().max() > 1e-4, (family, name)  # the method does change the model
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_neox"])
+def test_wide_window_and_group_one_equal_the_unpatched_model(family):
+    model = family_model(family)
+    ids = torch.randint(3, 120, (2, 80), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = model(ids).logits
+        for name, params in [("self_extend", {"group": 1, "window": 7}), ("self_extend", {"group": 4, "window": 80}),
+                             ("rerope", {"window": 80}), ("leaky_rerope", {"window": 100, "factor": 2})]:
+            with rope_patch.patched(model, name, **params):
+                assert torch.allclose(model(ids).logits, plain, atol=1e-5, rtol=0), (name, params)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_eager_and_sdpa_models_patch_and_restore(implementation):
+    config = tiny_llama_config()
+    model = build_model(config)
+    model.config._attn_implementation = implementation
+    ids = torch.randint(3, 120, (1, 70), generator=torch.Generator().manual_seed(3))
+    expected = reference_logits(model, ids, "self_extend", METHODS["self_extend"])
+    with torch.no_grad():
+        plain = model(ids).logits
+        with rope_patch.patched(model, "self_extend", **METHODS["self_extend"]):
+            assert torch.allclose(model(ids).logits, expected, atol=1e-5, rtol=0)
+        assert model.config._attn_implementation == implementation
+        assert torch.equal(model(ids).logits, plain)
+
+
+def test_tiles_and_padding_mask(monkeypatch):
+    """Several query tiles per forward, and a left-padded batch: each row equals its unpadded run."""
+    from rope_patch.patching import attention
+
+    monkeypatch.setattr(attention, "TILE_BYTES", 4 * 4 * 90 * 16)  # 16 query rows per tile at 90 keys, 4 heads
+    model = build_model(tiny_llama_config())
+    ids = torch.randint(3, 120, (1, 90), generator=torch.Generator().manual_seed(4))
+    expected = reference_logits(model, ids, "leaky_rerope", METHODS["leaky_rerope"])
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones_like(ids)], 1)
+    with rope_patch.patched(model, "leaky_rerope", **METHODS["leaky_rerope"]), torch.no_grad():
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5, rtol=0)
+        batch = model(torch.cat([padded, torch.cat([ids, ids[:, :5]], 1)]),
+                      attention_mask=torch.cat([mask, torch.ones_like(mask)])).logits
+    assert torch.allclose(batch[0, 5:], expected[0], atol=1e-5, rtol=0)
+    assert torch.allclose(batch[1, :90], expected[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_cached_generation_equals_full_recomputation_past_the_window(family, name):
+    """Prompt shorter than W, generation longer: every step's logits equal a full forward over the same tokens."""
+    model = family_model(family)
+    params = dict(METHODS[name], window=20)
+    prompt = torch.randint(3, 120, (1, 12), generator=torch.Generator().manual_seed(5))
+    with rope_patch.patched(model, name, **params), torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=30, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences).logits
+    assert out.sequences.shape[1] == 42
+    for step, logits in enumerate(out.logits):
+        assert torch.allclose(logits[0], full[0, 11 + step], atol=1e-4, rtol=0), step
+
+
+def test_combined_with_a_frequency_method_and_restored_bitwise():
+    model = build_model(tiny_llama_config())
+    ids = torch.randint(3, 120, (1, 100), generator=torch.Generator().manual_seed(6))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    with torch.no_grad():
+        plain = model(ids).logits
+        report = rope_patch.patch(model, "ntk:factor=2+self_extend:group=3,window=10")
+        assert report.label == "ntk:factor=2+self_extend:group=3,window=10"
+        combined = model(ids).logits
+        expected = reference_logits(model, ids, "self_extend", METHODS["self_extend"])  # ntk frequencies stay
+        assert torch.allclose(combined, expected, atol=1e-5, rtol=0)
+        rope_patch.patch(model, "ntk", factor=2)  # replaces, never compounds
+        assert rope_patch.current_patch(model)["label"] == "ntk:factor=2"
+        assert not torch.allclose(model(ids).logits, combined)
+        assert rope_patch.unpatch(model)
+        assert torch.equal(model(ids).logits, plain)
+    assert model.config._attn_implementation == "eager"
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+    assert not model.model.rotary_emb._forward_pre_hooks
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ({"name": "self_extend", "window": 0}, "window=0"),
+    ({"name": "self_extend", "group": 0}, "group=0"),
+    ({"name": "self_extend", "group": 2.5}, "whole number"),
+    ({"name": "leaky_rerope", "factor": 1}, "factor=1 must be above 1"),
+    ({"name": "leaky_rerope", "factor": 0.5}, "must be above 1"),
+    ({"name": "rerope", "window": -3}, "window=-3"),
+])
+def test_bad_parameters_get_one_clear_error(tiny_llama, spec, problem):
+    spec = dict(spec)
+    with pytest.raises(InvalidParameterError, match=problem):
+        rope_patch.patch(tiny_llama, spec.pop("name"), **spec)
+    assert rope_patch.current_patch(tiny_llama) is None
+
+
+@pytest.mark.parametrize("spec", ["rerope:window=4+self_extend:window=8", "yarn:factor=2+ntk:factor=2"])
+def test_a_combination_needs_one_method_of_each_kind(tiny_llama, spec):
+    with pytest.raises(InvalidParameterError, match="one frequency method with one attention method"):
+        rope_patch.patch(tiny_llama, spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_log_sum_exp_equals_plain_maths(dtype):
+    """The CPU kernel behind the far band (the CUDA kernels are checked by the cuda test below) against matmuls."""
+    from rope_patch.patching.attention import attention_with_lse, explicit_attention_with_lse
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=gen).to(dtype) for n in (5, 40, 40))
+    out, lse = attention_with_lse(q, k, v, 0.3)
+    want_out, want_lse = explicit_attention_with_lse(q.float(), k.float(), v.float(), 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(lse, want_lse, atol=tol) and torch.allclose(out, want_out, atol=tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_the_cuda_path_matches_the_reference(name, dtype, tolerance):
+    """On a GPU: the fused path (flash for bf16, memory-efficient for fp32) against the fp32 oracle on the CPU."""
+    model = build_model(tiny_llama_config())
+    ids = torch.randint(3, 120, (1, 300), generator=torch.Generator().manual_seed(8))
+    expected = reference_logits(model, ids, name, METHODS[name])
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    model.to("cuda", dtype)
+    model.model.rotary_emb.inv_freq = inv_freq.cuda()  # fp32 frequencies, as loading keeps them
+    with rope_patch.patched(model, name, **METHODS[name]), torch.no_grad():
+        actual = model(ids.cuda()).logits.float().cpu()
+    assert (actual - expected).abs().max() < tolerance

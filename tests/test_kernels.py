@@ -1,0 +1,238 @@
+"""``--kernels``: the clear errors where the kernels cannot run, the option in every job, and the instance-only,
+reversible patching (checked on CPU with a hand-written stand-in for Liger's patch functions; the real kernels are
+tested on a GPU in test_kernels_cuda.py)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import pytest
+import torch
+from tiny_models import build_model, tiny_llama_config
+from transformers.models.llama import modeling_llama
+
+from rope_patch.cli import main
+from rope_patch.errors import ConfigError, KernelsUnavailableError
+from rope_patch.jobs import EvalConfig, FinetuneConfig, LmEvalConfig, PasskeyConfig
+from rope_patch.kernels import (
+    apply_instance_patch,
+    apply_kernels,
+    check_kernels_available,
+    head_loss_for,
+    kernels_state,
+    preferred_attention,
+    remove_kernels,
+)
+from rope_patch.patching import patch
+
+IDS = torch.arange(3, 3 + 100).remainder(120).unsqueeze(0)  # (1, 100) token ids, past the native 64
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def instance_dicts(model) -> list[dict]:
+    return [dict(vars(m)) for m in model.modules()]
+
+
+# --------------------------------------------------------------------------------------------- where they cannot run
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_without_cuda_one_clear_error(no_cuda):
+    with pytest.raises(KernelsUnavailableError, match="needs a CUDA GPU"):
+        check_kernels_available("liger")
+    check_kernels_available(None)
+    check_kernels_available("none")
+
+
+def test_without_the_package_the_error_names_the_install(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(KernelsUnavailableError, match=r"pip install 'rope-patch\[liger\]'"):
+        check_kernels_available("liger")
+
+
+def test_a_model_on_the_cpu_is_refused(monkeypatch, tiny_llama):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    with pytest.raises(KernelsUnavailableError, match="move it to the GPU"):
+        apply_kernels(tiny_llama, "liger")
+    assert apply_kernels(tiny_llama, None) is None and kernels_state(tiny_llama) is None
+
+
+# ------------------------------------------------------------------------------------------ one option, every job
+
+
+@pytest.mark.parametrize("config", [EvalConfig, PasskeyConfig, LmEvalConfig, FinetuneConfig])
+def test_every_job_has_the_option(config, no_cuda, tmp_path):
+    assert config(kernels="none").kernels == "none" and config().kernels is None
+    with pytest.raises(KernelsUnavailableError, match="needs a CUDA GPU"):
+        config(kernels="liger")
+    with pytest.raises(ConfigError, match="choose one of none, liger"):
+        config(kernels="triton")
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("kernels: liger\n")
+    with pytest.raises(KernelsUnavailableError):
+        config.from_options(**config.read_yaml(yaml_file))
+
+
+@pytest.mark.parametrize("verb", ["eval", "passkey", "finetune"])
+def test_the_command_line_exits_2_with_one_line(verb, no_cuda, capsys):
+    assert main([verb, "--kernels", "liger"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a CUDA GPU" in err and len(err.splitlines()) == 1
+
+
+def test_without_kernels_the_chunked_loss_runs_and_attention_is_unchanged(tiny_llama, no_cuda):
+    assert head_loss_for(tiny_llama) is None
+    with preferred_attention():  # no CUDA: nothing to prefer
+        torch.testing.assert_close(logits(tiny_llama), logits(tiny_llama), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------- instance-only, reversible (Liger's patching pattern)
+
+
+class Counter:
+    """A stand-in for Liger's RoPE kernel: transformers' own function, counting its calls."""
+
+    def __init__(self, original):
+        self.original, self.calls = original, 0
+
+    def __call__(self, q, k, cos, sin, *args, **kwargs):
+        self.calls += 1
+        return self.original(q, k, cos, sin, *args, **kwargs)
+
+
+def reference_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """RoPE written out by hand (rotate-half pairing): x·cos + rotate_half(x)·sin with the cos/sin given."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    half = q.shape[-1] // 2
+
+    def rotate(x):
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def liger_like(model, rope):
+    """What Liger's apply functions do: replace module-level names and class attributes, bind instance forwards."""
+
+    def patch_globally():
+        modeling_llama.apply_rotary_pos_emb = rope
+        modeling_llama.LlamaRMSNorm = torch.nn.Identity
+        modeling_llama.LlamaMLP.marker = "patched"
+        for module in model.modules():
+            if type(module).__name__ == "LlamaRMSNorm":
+                module.offset = 0.0
+                module.forward = type(module).forward.__get__(module)
+
+    return patch_globally
+
+
+def test_names_in_transformers_come_back_and_only_this_model_changes(tiny_llama):
+    originals = (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm)
+    other = build_model(tiny_llama_config(), seed=1)
+    before, other_before = logits(tiny_llama), logits(other)
+    dicts = instance_dicts(tiny_llama)
+    rope = Counter(modeling_llama.apply_rotary_pos_emb)
+
+    state = apply_instance_patch(tiny_llama, liger_like(tiny_llama, rope), "liger", "llama")
+    assert (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm) == originals
+    assert not hasattr(modeling_llama.LlamaMLP, "marker")
+    assert state.rope_modules == 2 and kernels_state(tiny_llama) is state
+    torch.testing.assert_close(logits(other), other_before, rtol=0, atol=0)
+    assert rope.calls == 0  # the other model never saw it
+    torch.testing.assert_close(logits(tiny_llama), before, rtol=0, atol=0)
+    assert rope.calls == 2  # one call per layer, in this model only
+    assert modeling_llama.apply_rotary_pos_emb is originals[0]  # also after the call
+
+    assert remove_kernels(tiny_llama) and not remove_kernels(tiny_llama)
+    assert instance_dicts(tiny_llama) == dicts
+    torch.testing.assert_close(logits(tiny_llama), before, rtol=0, atol=0)
+    assert rope.calls == 2
+
+
+def test_the_rope_swap_reaches_the_recomputation_of_gradient_checkpointing(tiny_llama):
+    tiny_llama.train()
+    tiny_llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rope = Counter(modeling_llama.apply_rotary_pos_emb)
+    apply_instance_patch(tiny_llama, liger_like(tiny_llama, rope), "liger", "llama")
+    tiny_llama(input_ids=IDS, labels=IDS).loss.backward()
+    assert rope.calls == 4  # 2 layers, forward and recomputation
+    remove_kernels(tiny_llama)
+    assert tiny_llama.model.gradient_checkpointing  # what others set on the instance stays
+
+
+def test_a_rope_function_of_its_own_keeps_the_patched_frequencies(tiny_llama):
+    patch(tiny_llama, "yarn", factor=4)
+    patched = logits(tiny_llama)
+    apply_instance_patch(tiny_llama, liger_like(tiny_llama, reference_rope), "liger", "llama")
+    torch.testing.assert_close(logits(tiny_llama), patched, rtol=1e-5, atol=1e-5)
+    remove_kernels(tiny_llama)
+    torch.testing.assert_close(logits(tiny_llama), patched, rtol=0, atol=0)
+
+
+def test_modules_first_imported_inside_are_forgotten(tiny_llama):
+    name = "transformers.models.stablelm.modeling_stablelm"
+    sys.modules.pop(name, None)
+
+    def imports_and_patches():
+        import transformers.models.stablelm.modeling_stablelm as stablelm
+
+        stablelm.apply_rotary_pos_emb = reference_rope
+
+    apply_instance_patch(tiny_llama, imports_and_patches, "liger", "llama")
+    assert name not in sys.modules
+    import transformers.models.stablelm.modeling_stablelm as fresh
+
+    assert fresh.apply_rotary_pos_emb is not reference_rope
+
+
+def test_a_patch_function_failing_half_way_leaves_the_model_as_it_was(tiny_llama):
+    dicts = instance_dicts(tiny_llama)
+
+    def fails():
+        tiny_llama.model.norm.forward = print
+        modeling_llama.LlamaMLP = None
+        raise RuntimeError("triton said no")
+
+    with pytest.raises(RuntimeError, match="triton said no"):
+        apply_instance_patch(tiny_llama, fails, "liger", "llama")
+    assert kernels_state(tiny_llama) is None and instance_dicts(tiny_llama) == dicts
+    assert modeling_llama.LlamaMLP is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_liger_itself_patches_only_the_instance_and_comes_off_exactly(family, lora):
+    """Liger's own patch functions (patching only: its kernels need a GPU to run), where liger-kernel and triton are
+    installed; the GPU tests run the kernels."""
+    monkey_patch = pytest.importorskip("liger_kernel.transformers.monkey_patch")
+    from tiny_models import family_config
+
+    from rope_patch.kernels import LIGER_OPTIONS
+    from rope_patch.train.lora import add_lora
+
+    model = build_model(family_config(family))
+    if lora:
+        model = add_lora(model, rank=4, alpha=8, targets=["o_proj"], train_embeddings_and_norms=True)
+    base = model.get_base_model() if lora else model
+    apply_fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN[base.config.model_type]
+    options = {k: v for k, v in LIGER_OPTIONS.items() if k in inspect.signature(apply_fn).parameters}
+    names = {name: dict(vars(module)) for name, module in sys.modules.items()
+             if module is not None and name.startswith("transformers.models.")}
+    dicts = instance_dicts(model)
+
+    state = apply_instance_patch(base, lambda: apply_fn(model=base, **options), "liger", family)
+    assert state.rope_modules == 2 and instance_dicts(model) != dicts
+    assert all(vars(sys.modules[name]) == before for name, before in names.items())
+    remove_kernels(model)
+    assert instance_dicts(model) == dicts
