@@ -138,6 +138,7 @@ def test_lora_on_the_output_head_is_refused():
         causal_lm_loss(model, batch(1))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_on_a_gpu_in_bf16_the_loss_and_gradients_follow_the_models_own(family):
