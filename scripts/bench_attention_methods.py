@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import platform
 import resource
 import time
 
 import torch
+from bench_eval import in_fresh_process  # scripts/ is on the path of a script run from it
 
 METHODS = [
     "yarn:factor=2",
@@ -79,17 +79,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {args.device}, {args.length} tokens", flush=True)
     rows = []
     for method in methods:
-        if args.device.startswith("cuda"):
-            rows.append(measure(method, args))
-        else:
-            ctx = mp.get_context("spawn")
-            queue = ctx.Queue()
-            process = ctx.Process(target=measure, args=(method, args, queue))
-            process.start()
-            process.join()
-            if process.exitcode != 0:
-                raise SystemExit(f"{method} failed with exit code {process.exitcode}")
-            rows.append(queue.get())
+        rows.append(measure(method, args) if args.device.startswith("cuda") else in_fresh_process(measure, method, args))
         print(json.dumps(rows[-1]), flush=True)
     reference = rows[0]
     for row in rows[1:]:

@@ -79,17 +79,22 @@ def cpu_variant(variant: str, dtype: str, length: int, loss_chunk: int, method: 
                "perplexity": float(torch.tensor(loss).exp()), "peak_rss_gib": peak, "rss_after_load_gib": loaded})
 
 
-def run_cpu(args) -> list[dict]:
+def in_fresh_process(target, *args) -> dict:
+    """Run ``target(*args, queue)`` in a spawned process (its peak RSS its own) and return what it put on the queue."""
     ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=target, args=(*args, queue))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise SystemExit(f"{target.__name__}{args} failed with exit code {process.exitcode}")
+    return queue.get()
+
+
+def run_cpu(args) -> list[dict]:
     rows = []
     for variant, dtype in (("plain", "fp32"), ("ours", "fp32"), ("ours", "bf16")):
-        queue = ctx.Queue()
-        process = ctx.Process(target=cpu_variant, args=(variant, dtype, args.length, args.loss_chunk, args.method, queue))
-        process.start()
-        process.join()
-        if process.exitcode != 0:
-            raise SystemExit(f"{variant} {dtype} failed with exit code {process.exitcode}")
-        rows.append(queue.get())
+        rows.append(in_fresh_process(cpu_variant, variant, dtype, args.length, args.loss_chunk, args.method))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
