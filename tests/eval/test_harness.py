@@ -199,6 +199,37 @@ def test_a_dynamic_method_generates_with_one_fixed_length_equal_to_a_full_recomp
             assert ids.tolist() == output.tolist()
 
 
+def test_an_attention_method_scores_and_generates_through_lm_eval_as_a_full_recompute(tasks_dir, monkeypatch):
+    """Self-Extend reaches lm-eval through the same patched model object: the rolling scores change (the far band is
+    active beyond the window), and each cached generation equals greedy decoding by full forwards of the patched
+    model, with the prompt (90 tokens) and the generation beyond the window (16)."""
+    model, tokenizer = build_model(tiny_llama_config()), make_char_tokenizer()
+    spec = "self_extend:group=2,window=16"
+    options = dict(model=model, tokenizer=tokenizer, include_path=str(tasks_dir), max_length=128, output=None,
+                   progress=False)
+    rolling = rope_patch.run_lm_eval(method=["none", spec], tasks=["tiny_rolling"], **options)
+    by_method = {r["method"]: r["value"] for r in rolling.rows if r["metric"] == "bits_per_byte"}
+    assert abs(by_method["none"] - by_method[spec]) > 1e-6 * by_method["none"]  # random weights: small, not noise
+
+    calls = []
+    real_generate = type(model).generate
+
+    def spy(self, *args, **kwargs):
+        output = real_generate(self, *args, **kwargs)
+        calls.append((kwargs["input_ids"].clone(), output))
+        return output
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    rope_patch.run_lm_eval(method=[spec], tasks=["tiny_generate"], **options)
+    assert len(calls) == 3 and rope_patch.current_patch(model) is None
+    with rope_patch.patched(model, spec), torch.no_grad():
+        for input_ids, output in calls:
+            ids = input_ids
+            for _ in range(output.shape[1] - input_ids.shape[1]):
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            assert ids.tolist() == output.tolist()
+
+
 # ----------------------------------------------------------------------------------------------- the extra
 
 
