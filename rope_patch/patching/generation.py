@@ -71,9 +71,9 @@ def holding_final_length(model: nn.Module, state: Any) -> Iterator[None]:
             finally:
                 if lifted:
                     config.max_position_embeddings = cap
-            total, inputs = generation_config.max_length, arguments["inputs_tensor"]
-            if (arguments["model_input_name"] == "inputs_embeds" and inputs.shape[1] != arguments["input_ids_length"]
-                    and not config.is_encoder_decoder):
+            total, inputs = generation_config.max_length, arguments.get("inputs_tensor")
+            if (arguments.get("model_input_name") == "inputs_embeds" and not config.is_encoder_decoder
+                    and inputs is not None and inputs.shape[1] != arguments.get("input_ids_length")):
                 total += inputs.shape[1]  # as transformers sizes the cache: the embeddings, then max_length tokens
             state.frozen_length = int(total)
             return generation_config
