@@ -17,6 +17,7 @@ from .errors import (
     InvalidParameterError,
     MissingExtraError,
     ModelNotFoundError,
+    NativeLengthError,
     RopePatchError,
     UnknownMethodError,
     UnsupportedModelError,
@@ -37,15 +38,25 @@ from .jobs import (
 from .jobs.finetune import finetune
 from .loading import from_pretrained, load_default_model, load_model
 from .methods import Method, Param, RopeBase, available_methods, method_label, parse_method_spec, register_method
-from .patching import PatchReport, current_patch, fixed_length, native_length, patch, patched, unpatch
+from .patching import (
+    PatchReport,
+    current_patch,
+    fixed_length,
+    native_length,
+    native_length_source,
+    patch,
+    patched,
+    set_native_length,
+    unpatch,
+)
 
 __version__ = "0.2.0"
 
 __all__ = [
     "ConfigError", "DataError", "EvalConfig", "FinetuneConfig", "InspectConfig", "InvalidParameterError", "LmEvalConfig",
-    "Method", "MissingExtraError", "ModelNotFoundError", "Param", "PasskeyConfig", "PatchReport", "RopeBase",
-    "RopePatchError", "UnknownMethodError", "UnsupportedModelError", "available_methods", "current_patch", "evaluate",
+    "Method", "MissingExtraError", "ModelNotFoundError", "NativeLengthError", "Param", "PasskeyConfig", "PatchReport",
+    "RopeBase", "RopePatchError", "UnknownMethodError", "UnsupportedModelError", "available_methods", "current_patch", "evaluate",
     "evaluate_passkey", "finetune", "fixed_length", "from_pretrained", "load_default_model", "load_model",
-    "method_label", "native_length", "parse_method_spec", "patch", "patched", "register_method", "run_eval",
-    "run_inspect", "run_lm_eval", "run_passkey", "unpatch",
+    "method_label", "native_length", "native_length_source", "parse_method_spec", "patch", "patched",
+    "register_method", "run_eval", "run_inspect", "run_lm_eval", "run_passkey", "set_native_length", "unpatch",
 ]

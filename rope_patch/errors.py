@@ -41,3 +41,8 @@ class MissingExtraError(RopePatchError):
 class KernelsUnavailableError(RopePatchError):
     """Fused kernels (``--kernels liger``) asked for where they cannot run: no CUDA GPU, the package missing, or a
     model family the kernels do not cover."""
+
+
+class NativeLengthError(RopePatchError):
+    """A checkpoint whose config does not state its native (pretraining) context length where a computation needs it;
+    the message asks for ``native_length=`` / ``--native-length``."""

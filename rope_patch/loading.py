@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import cache_dir, quiet_hub_requests
-from .patching import restore_saved_patch
+from .patching import restore_saved_patch, set_native_length
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded default)"
@@ -117,17 +117,21 @@ def model_label(name_or_path: str | os.PathLike | None) -> str:
 # Loading.
 
 
-def from_pretrained(name_or_path: str | os.PathLike, **kwargs: Any) -> torch.nn.Module:
+def from_pretrained(name_or_path: str | os.PathLike, *, native_length: int | None = None,
+                    **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` that also re-applies a scaling saved by rope_patch.
 
     For methods transformers knows (linear, dynamic NTK, YaRN, Llama 3, LongRoPE, NTK as a new base), the plain
     transformers load is already right; this one additionally restores methods it does not know (dynamic YaRN,
-    user-registered methods) and makes :func:`rope_patch.unpatch` return the original pretrained model. A LoRA adapter
-    folder written by ``rope-patch finetune --save-adapter`` is loaded onto its base model and merged.
+    attention methods, user-registered methods) and makes :func:`rope_patch.unpatch` return the original pretrained
+    model. A LoRA adapter folder written by ``rope-patch finetune --save-adapter`` is loaded onto its base model and
+    merged. ``native_length``: declared on the model (:func:`rope_patch.set_native_length`) before anything is
+    re-applied, for a checkpoint whose config does not state it.
     """
     if (Path(name_or_path) / "adapter_config.json").is_file():
-        return load_adapter_checkpoint(name_or_path, **kwargs)
+        return load_adapter_checkpoint(name_or_path, native_length=native_length, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    set_native_length(model, native_length)
     with contextlib.suppress(UnsupportedModelError):
         restore_saved_patch(model)
     return model
@@ -151,6 +155,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     attn_implementation: str | None = None,
+    native_length: int | None = None,
 ):
     """Load ``(model, tokenizer)`` from a hub id or folder, or the embedded default when ``None``.
 
@@ -158,7 +163,7 @@ def load_model(
     """
     path = model_path(name_or_path)
     device = device or default_device()
-    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, device)}
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, device), "native_length": native_length}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
@@ -180,9 +185,11 @@ def load_default_model(*, dtype: str | torch.dtype | None = None, device: str | 
     return load_model(None, dtype=dtype, device=device)
 
 
-def load_structure(name_or_path: str | os.PathLike | None = None) -> torch.nn.Module:
+def load_structure(name_or_path: str | os.PathLike | None = None, *,
+                   native_length: int | None = None) -> torch.nn.Module:
     """The model's modules and RoPE buffers without its weights (parameters on the meta device): inspecting a
-    70B model should not need 140 GB. A scaling recorded by rope_patch is re-applied."""
+    70B model should not need 140 GB. A scaling recorded by rope_patch is re-applied (around ``native_length``,
+    declared on the model, if given)."""
     path = model_path(name_or_path)
     try:
         with quiet_hub_requests():
@@ -194,5 +201,6 @@ def load_structure(name_or_path: str | os.PathLike | None = None) -> torch.nn.Mo
         ) from None
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
+    set_native_length(model, native_length)
     restore_saved_patch(model)
     return model

@@ -18,7 +18,7 @@ from torch import nn
 
 from .methods import RopeBase, compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
 from .methods.attention import far_relative_position
-from .patching import current_patch, primary_rotary, rotary_setup, saved_patch
+from .patching import current_patch, native_length_source, primary_rotary, rotary_setup, saved_patch
 
 
 @dataclass
@@ -32,6 +32,7 @@ class RotaryInfo:
     native_length: int
     scaling: str
     layer_type: str | None
+    native_source: str = ""  # where the native length was read (a config key, a rope_patch record, given)
 
 
 def pairing_convention(model: nn.Module) -> str:
@@ -73,6 +74,7 @@ def describe_rotary(model: nn.Module) -> RotaryInfo:
         native_length=base.native_length,
         scaling=scaling,
         layer_type=layer_type,
+        native_source=native_length_source(model)[1],
     )
 
 
@@ -130,7 +132,7 @@ def format_report(info: RotaryInfo, rows: list[dict], method: str | None = None,
         f"head dim       {info.head_dim}   rotary dims {info.rotary_dim} ({info.rotary_dim // 2} pairs)",
         f"pairing        {info.pairing}",
         f"base theta     {info.rope_theta:g}",
-        f"native length  {info.native_length}",
+        f"native length  {info.native_length}" + (f"  ({info.native_source})" if info.native_source else ""),
         f"scaling now    {info.scaling}",
         "",
     ]

@@ -14,9 +14,12 @@ from ..errors import ConfigError
 from ..eval.sweep import AS_LOADED, method_entries
 from ..kernels import KERNELS, KERNELS_HELP, check_kernels_available, kernels_applied, preferred_attention
 from ..loading import default_attention, load_model, model_label
+from ..patching import native_length, set_native_length
 from .options import JobConfig, option
 
 MODEL_HELP = "hub id or local folder (default: the embedded SmolLM2-135M-Instruct)"
+NATIVE_LENGTH_HELP = ("the model's native (pretraining) context length, for a checkpoint whose config does not state "
+                      "it (a scaled RoPE without original_max_position_embeddings), e.g. 8k")
 
 
 @dataclass
@@ -34,6 +37,7 @@ class SweepConfig(JobConfig):
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
                                                    "flash_attention_2 on a GPU where installed)")
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
+    native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
     progress: bool = option(True, "show a progress bar")
 
     def validate(self) -> None:
@@ -68,11 +72,19 @@ def split_loaded(options: dict[str, Any]) -> tuple[dict[str, Any], LoadedModel |
     return {**options, "model": label}, LoadedModel(model, tokenizer, label)
 
 
+def settle_native_length(model: nn.Module, given: int | None) -> int:
+    """Declare ``--native-length`` on the model (every method of the job builds around it), or check now that the
+    config states the native length: a checkpoint that does not is refused before any work, not after it."""
+    if given is not None:
+        set_native_length(model, given)
+    return native_length(model)
+
+
 def load_for_job(name: str | None, *, dtype: str, attn_implementation: str | None,
-                 device: str | torch.device | None = None) -> LoadedModel:
+                 device: str | torch.device | None = None, native_length: int | None = None) -> LoadedModel:
     """Load the model a job names (the embedded default for None), with SDPA or FlashAttention 2 by default."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(name, dtype=dtype, device=device,
+    model, tokenizer = load_model(name, dtype=dtype, device=device, native_length=native_length,
                                   attn_implementation=attn_implementation or default_attention(device))
     return LoadedModel(model, tokenizer, model_label(name))
 

@@ -17,7 +17,7 @@ from ..eval.perplexity_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, split_loaded
+from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
 from .options import option
 
 BOS_CHOICES = {"auto": None, "yes": True, "no": False}
@@ -103,8 +103,9 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
     loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    device=accelerator.device)
+                                    device=accelerator.device, native_length=config.native_length)
     model = loaded.model
+    settle_native_length(model, config.native_length)
     with accelerator.main_process_first():
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
     protocol = config.protocol_with(config.window_prefix(loaded.tokenizer))

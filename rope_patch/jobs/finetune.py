@@ -37,13 +37,14 @@ from ..train.log import TrainingLog, tensorboard
 from ..train.lora import add_lora, save_only_trainable_weights
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
+from .common import NATIVE_LENGTH_HELP
 from .options import JobConfig, option
 
 # Settings that decide which data each step sees and what is trained: a resume must keep them.
 RESUME_FINGERPRINT = ("model", "method", "dataset", "split", "text_field", "subset", "num_documents",
                       "exclude_documents", "seq_len", "seed", "schedule", "warmup_steps", "lora", "lora_rank",
                       "lora_alpha", "lora_targets", "train_embeddings_and_norms", "pose_target_len",
-                      "pose_chunks")
+                      "pose_chunks", "native_length")
 
 
 @dataclass
@@ -63,6 +64,7 @@ class FinetuneConfig(JobConfig):
                                                "random position skips reaching up to it, e.g. 32k (default: off)",
                                          tokens=True)
     pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
+    native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
     steps: int = option(200, "optimizer steps")
     lr: float = option(2e-5, "peak learning rate (PI paper: 2e-5 for 7B/13B)")
     batch_size: int = option(1, "sequences per process per micro-step")
@@ -148,9 +150,10 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     set_seed(config.seed)
 
     model, tokenizer = load_model(config.model, dtype="bf16" if config.precision == "bf16" else "fp32",
-                                  device=accelerator.device, attn_implementation=config.attn_implementation)
+                                  device=accelerator.device, attn_implementation=config.attn_implementation,
+                                  native_length=config.native_length)
     name, params = parse_method_spec(config.method)
-    report = patch(model, name, **params)
+    report = patch(model, name, native_length=config.native_length, **params)
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
                                            num_documents=config.num_documents, exclude=config.exclude_documents,

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from ..loading import load_structure
 from ..methods import parse_method_spec
 from ..rotary_info import RotaryInfo, describe_rotary, format_report, frequency_table, relative_positions
-from .common import MODEL_HELP
+from .common import MODEL_HELP, NATIVE_LENGTH_HELP
 from .options import JobConfig, option
 
 
@@ -20,6 +20,7 @@ class InspectConfig(JobConfig):
 
     model: str | None = option(None, MODEL_HELP, positional=True)
     method: str | None = option(None, "method to compare with, NAME[:key=value,...], e.g. yarn:factor=2", metavar="SPEC")
+    native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
 
     def validate(self) -> None:
         if self.method is not None:
@@ -45,7 +46,7 @@ def run_inspect(config: InspectConfig | None = None, /, **options: Any) -> Inspe
     """Load the model's config and RoPE buffers (not its weights) and compare its pairs before and after a method."""
     config = InspectConfig.from_options(config, **options)
     method, params = parse_method_spec(config.method) if config.method else (None, {})
-    info = describe_rotary(load_structure(config.model))
+    info = describe_rotary(load_structure(config.model, native_length=config.native_length))
     rows, factor = frequency_table(info, method, params)
     positions = relative_positions(info, method, params)
     return InspectResult(info, rows, factor, format_report(info, rows, method, params, factor, positions), positions)

@@ -13,7 +13,7 @@ from ..eval.passkey_report import format_table, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, split_loaded
+from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
 from .options import option
 
 
@@ -64,7 +64,9 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation)
+    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
+                                    native_length=config.native_length)
+    settle_native_length(loaded.model, config.native_length)
     store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
     if store is not None and len(store) and config.progress:
         tqdm.write(f"resuming: {len(store)} finished trials in {store.path}")

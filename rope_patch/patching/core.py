@@ -2,10 +2,10 @@
 
 :func:`patch` finds the rotary modules (:mod:`.rotary`), snapshots everything it will change, gives each module an
 instance-level forward that writes the method's fp32 frequencies, rewrites the config to describe the patched model
-(:mod:`.record`), and wraps ``model.generate`` so a dynamic method sees one fixed length for a whole call (the KV
-cache then holds keys rotated like every later query, see :func:`fixed_length`). Only the given model instance
-changes: no class is modified, other models in the process are untouched. :func:`unpatch` puts everything back
-exactly.
+and record the patch (:mod:`.record`), and wraps ``model.generate`` (:mod:`.generation`) so a dynamic method sees
+one fixed length for a whole call (the KV cache then holds keys rotated like every later query, see
+:func:`fixed_length`). Only the given model instance changes: no class is modified, other models in the process are
+untouched. :func:`unpatch` puts everything back exactly.
 """
 
 from __future__ import annotations
@@ -19,17 +19,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import InvalidParameterError, RopePatchError
 from ..methods import compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
 from .attention import AttentionSetup, install_attention, remove_attention
+from .generation import install_generate
 from .record import (
     ConfigSnapshot,
+    NativeLength,
     carries_scaling,
+    native_length_of,
+    patch_record,
     reset_saved_patch,
     restore_config,
     saved_patch,
     snapshot_config,
     unscaled_base,
     write_config,
+    write_record,
 )
 from .rotary import (
     MISSING,
@@ -47,6 +53,7 @@ from .rotary import (
 )
 
 STATE_ATTR = "_rope_patch_state"
+NATIVE_ATTR = "_rope_patch_native_length"  # a native length declared with set_native_length
 
 
 @dataclass
@@ -62,6 +69,11 @@ class PatchState:
     frozen_length: int | None = None
     attention: AttentionSetup | None = None  # the attention method's installation, if any
     label: str = ""  # canonical spec of the whole patch, e.g. yarn:factor=2+rerope:window=512
+    native: NativeLength | None = None  # the native length the patch was built around, and its source
+    native_given: int | None = None  # native_length= of the patch call, if any
+    context_length: int = 0  # the longest sequence the patch is meant for (generate's default cap)
+    generating: bool = False  # inside the patched generate: dynamic methods must have a fixed length
+    length_dependent: bool = False  # the frequencies follow the sequence length (dynamic methods, longrope)
 
 
 def patch_state(model: nn.Module) -> PatchState | None:
@@ -84,6 +96,7 @@ class PatchReport:
     attention_factor: float
     saved_as: str  # the rope_type a plain transformers reload sees, or why it needs rope_patch.from_pretrained
     replaced: str | None = None  # the scaling the model carried before, if any
+    native_source: str = ""  # where the native length was read (the config's key, a rope_patch record, given)
 
     def __str__(self) -> str:
         where = ", ".join(self.modules) + (
@@ -91,8 +104,9 @@ class PatchReport:
         )
         lines = [
             f"patched {where} with {self.label}",
-            f"  base theta {self.rope_theta:g}, rotary dim {self.rotary_dim}, native length {self.native_length}, "
-            f"context length now {self.context_length}, attention factor {self.attention_factor:.4f}",
+            f"  base theta {self.rope_theta:g}, rotary dim {self.rotary_dim}, native length {self.native_length} "
+            f"({self.native_source}), context length now {self.context_length}, "
+            f"attention factor {self.attention_factor:.4f}",
             f"  config.json: {self.saved_as}",
         ]
         if self.replaced:
@@ -104,11 +118,23 @@ class PatchReport:
 # The rotary set-up of a model, before any patch.
 
 
-def rotary_setup(model: nn.Module, module: nn.Module, layer_type: str | None):
-    """The unscaled RoPE (:class:`~rope_patch.methods.RopeBase`) of one rotary module's layer type."""
+def rotary_setup(model: nn.Module, module: nn.Module, layer_type: str | None, native_length: int | None = None):
+    """The unscaled RoPE (:class:`~rope_patch.methods.RopeBase`) of one rotary module's layer type. Its native length:
+    ``native_length``, else a declared one (:func:`set_native_length`), else the one the patch applied now was given,
+    else what the config states (refused where it states none)."""
     state = patch_state(model)
     live = state.config_snapshots.get(id(module.config), (None, None))[1] if state is not None else None
-    return unscaled_base(module.config, layer_type, rotary_dim(module, layer_type), live)
+    return unscaled_base(module.config, layer_type, rotary_dim(module, layer_type), live,
+                         _given_native_length(model, native_length))
+
+
+def _given_native_length(model: nn.Module, native_length: int | None) -> int | None:
+    """The native length stated outside the config, in rotary_setup's order; None: read it from the config."""
+    state = patch_state(model)
+    for length in (native_length, declared_native_length(model), state.native_given if state is not None else None):
+        if length is not None:
+            return length
+    return None
 
 
 def primary_rotary(model: nn.Module) -> tuple[str, nn.Module, str | None]:
@@ -118,74 +144,142 @@ def primary_rotary(model: nn.Module) -> tuple[str, nn.Module, str | None]:
     return name, module, default_layer_types(module)[0]
 
 
+def declared_native_length(model: nn.Module) -> int | None:
+    return getattr(model, NATIVE_ATTR, None)
+
+
+def set_native_length(model: nn.Module, length: int | None) -> None:
+    """Declare the model's native (pretraining) context length, for checkpoints whose config does not state it (an
+    already scaled RoPE without original_max_position_embeddings). Every later patch and :func:`native_length` use
+    it; None removes the declaration."""
+    if length is None:
+        model.__dict__.pop(NATIVE_ATTR, None)
+    else:
+        setattr(model, NATIVE_ATTR, _checked_native_length(length))
+
+
+def _checked_native_length(length: Any) -> int:
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise InvalidParameterError(f"native_length={length!r}: give the pretraining context length in tokens, e.g. 8192")
+    return length
+
+
+def native_length_source(model: nn.Module) -> NativeLength:
+    """``(native length, where it was read)``: the one the patch applied now was built around, else a declared one,
+    else the config's (refused with NativeLengthError where the config does not state it)."""
+    state = patch_state(model)
+    if state is not None and state.native:
+        return state.native
+    _, module, layer_type = primary_rotary(model)
+    return _resolve_native(model, module, layer_type, None)
+
+
+def _resolve_native(model: nn.Module, module: nn.Module, layer_type: str | None, given: int | None) -> NativeLength:
+    """The native length a patch builds around and its source, in rotary_setup's order."""
+    state = patch_state(model)
+    live = state.config_snapshots.get(id(module.config), (None, None))[1] if state is not None else None
+    declared = declared_native_length(model)
+    if given is None and declared is not None:
+        length, source = native_length_of(module.config, layer_type, live, declared)
+        return length, "declared with set_native_length or --native-length" + source.removeprefix("given")
+    if given is None and state is not None and state.native_given is not None:
+        return state.native
+    return native_length_of(module.config, layer_type, live, given)
+
+
 def native_length(model: nn.Module) -> int:
     """The context length the model was pretrained for (before any rope_patch scaling)."""
-    _, module, layer_type = primary_rotary(model)
-    return rotary_setup(model, module, layer_type).native_length
+    return native_length_source(model)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The public verbs.
 
 
-def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None = None, **params: Any) -> PatchReport:
+def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None = None,
+          native_length: int | None = None, **params: Any) -> PatchReport:
     """Replace the model's RoPE with ``method`` in place. Patching again replaces the earlier patch (never compounds).
 
     ``params`` use transformers' ``rope_parameters`` names (``factor``, ``original_max_position_embeddings``, ...);
     the model's own values are the defaults. ``layer_types`` matters for models with per-layer-type RoPE (Gemma 3):
     the global (``full_attention``) layers by default, ``"all"``, or a list. An attention method
     (``patch(model, "self_extend", group=4, window=1024)``) keeps the model's frequencies, whatever they are; a spec
-    combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``.
+    combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``. ``native_length``: the
+    pretraining context length, for checkpoints whose config does not state it (see :func:`set_native_length`).
     """
     frequency, attention = frequency_and_attention(method, params)
     modules = find_rotary_modules(model)
+    if native_length is not None:
+        _checked_native_length(native_length)
     plan = []  # validate everything before changing anything: bad input leaves the model as it was
     if frequency is not None:
         for name, module in modules:
             for layer_type in select_layer_types(module, layer_types):
-                base = rotary_setup(model, module, layer_type)
+                base = rotary_setup(model, module, layer_type, native_length)
                 check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type))
                 plan.append(RotaryTarget(name, module, layer_type, base, resolve_params(frequency[0], base, frequency[1])))
-    primary = plan[0].base if plan else rotary_setup(model, *primary_rotary(model)[1:])
+    _, first_module, first_type = primary_rotary(model)
+    primary = plan[0].base if plan else rotary_setup(model, first_module, first_type, native_length)
     attention_params = resolve_params(attention[0], primary, attention[1]) if attention else None
+    native = _resolve_native(model, first_module, first_type, native_length)
+    given = _given_native_length(model, native_length)
+    if given is None and native[1].startswith("rope_patch record"):
+        given = native[0]  # the record goes with the reset below: the patch keeps its length
     unpatch(model)
-    state = PatchState(method=method, given=dict(params), targets=plan, module_snapshots={}, config_snapshots={})
-    report = _patch_frequencies(model, state, modules, *frequency) if frequency else None
+    replaced = reset_saved_patch(modules) if frequency is not None else None  # a checkpoint's patch: back to its base
+    state = PatchState(method=method, given=dict(params), targets=plan, module_snapshots={}, config_snapshots={},
+                       native=native, native_given=given)
+    state.config_snapshots = {id(m.config): (m.config, snapshot_config(m.config)) for _, m in modules}
+    state.label = "+".join(method_label(*part) for part in (frequency, attention) if part)
+    state.length_dependent = frequency is not None and get_method(frequency[0]).length_dependent
+    report, spelt = _patch_frequencies(model, state, modules, *frequency, replaced) if frequency else (None, False)
     if attention is not None:
         state.attention = install_attention(model, attention[0], attention_params, method_label(*attention))
         report = _attention_report(model, report, primary, attention[0], attention_params)
+    report.label, report.native_source = state.label, native[1]
+    state.context_length = report.context_length
+    layer_list = [t.layer_type for t in plan]
+    for config, snapshot in state.config_snapshots.values():  # the record: rope_patch.from_pretrained re-applies it
+        record = patch_record(snapshot, method, params, state.label, layer_list if any(layer_list) else None,
+                              native[0])
+        older_readers = write_record(config, record, portable=spelt and attention is None)
+    report.saved_as += f"; {older_readers}"
+    state.generate_snapshot = install_generate(model, patch_state)
     setattr(model, STATE_ATTR, state)
-    report.label = state.label = "+".join(method_label(*part) for part in (frequency, attention) if part)
     return report
 
 
-def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str, params: dict) -> PatchReport:
-    """Install the frequencies of ``state.targets`` and record them in the config (the frequency half of a patch)."""
+def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str, params: dict,
+                       replaced: str | None) -> tuple[PatchReport, bool]:
+    """Install the frequencies of ``state.targets`` and describe them in the config (the frequency half of a patch).
+    ``replaced``: the label of the patch a checkpoint recorded, if it carried one. Returns the report and whether
+    the config now spells the method in transformers' own rope_parameters."""
     spec, plan = get_method(method), state.targets
-    replaced = reset_saved_patch(modules)
     first = plan[0]
     if replaced is None:
         rope_type = layer_rope_parameters(first.module.config, first.layer_type).get("rope_type", "default")
         replaced = None if rope_type == "default" else f"rope_type={rope_type}"
     state.module_snapshots = {id(m): snapshot_module(m) for _, m in modules}
-    state.config_snapshots = {id(m.config): (m.config, snapshot_config(m.config)) for _, m in modules}
 
     def length(position_ids: torch.Tensor) -> int | None:
         """The length a dynamic method follows: the caller's fixed length, else max(position_ids) + 1."""
         if not spec.length_dependent:
             return None
+        if state.frozen_length is None and state.generating:
+            raise RopePatchError(
+                f"generate: rope_patch could not read this call's final length from transformers, and {method} needs "
+                "one fixed length for the whole call; wrap it in rope_patch.fixed_length(model, N)"
+            )
         return state.frozen_length or int(position_ids.max()) + 1
 
     for _, module in modules:
         install_frequencies(module, [t for t in plan if t.module is module], method, length)
     native = all([  # a list, not a generator: every config is written
-        write_config(config, [t for t in plan if t.module.config is config], method, params, snapshot)
+        write_config(config, [t for t in plan if t.module.config is config], method, snapshot)
         for config, snapshot in state.config_snapshots.values()
     ])
-    state.generate_snapshot = _install_generate(model)
-
     _, attention = compute_frequencies(method, first.base, first.params, None)
-    return PatchReport(
+    report = PatchReport(
         method=method,
         params=first.params,
         label=method_label(method, params),
@@ -204,13 +298,14 @@ def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str
         ),
         replaced=replaced,
     )
+    return report, native
 
 
 def _attention_report(model: nn.Module, report: PatchReport | None, base, method: str, params: dict) -> PatchReport:
     """The report of a patch with an attention method, on top of its frequency half's report (if any)."""
     spec = get_method(method)
-    note = (f"attention: {method_label(method, params)} through transformers' attention interface "
-            f"(not saved in config.json: re-apply it after loading)")
+    note = (f"attention: {method_label(method, params)} through transformers' attention interface (recorded in "
+            "config.rope_patch: rope_patch.from_pretrained re-applies it, plain transformers does not)")
     if report is None:
         name, _, _ = primary_rotary(model)
         return PatchReport(method, params, method_label(method, params), [name], [None], base.rope_theta, base.dim,
@@ -251,11 +346,13 @@ def patched(model: nn.Module, method: str, **params: Any) -> Iterator[PatchRepor
     finally:
         unpatch(model)
         if previous is not None:
-            patch(model, previous["method"], layer_types=previous["layer_types"], **previous["params"])
+            patch(model, previous["method"], layer_types=previous["layer_types"],
+                  native_length=previous.get("native_length"), **previous["params"])
 
 
 def current_patch(model: nn.Module) -> dict[str, Any] | None:
-    """``{"method", "params", "label", "layer_types"}`` of the patch applied now, or None."""
+    """``{"method", "params", "label", "layer_types", "native_length"}`` of the patch applied now, or None;
+    native_length is the one the patch was given (None: read from the config)."""
     state = patch_state(model)
     if state is None:
         return None
@@ -265,6 +362,7 @@ def current_patch(model: nn.Module) -> dict[str, Any] | None:
         "params": dict(state.given),
         "label": state.label,
         "layer_types": layer_types if any(layer_types) else None,
+        "native_length": state.native_given,
     }
 
 
@@ -284,8 +382,9 @@ def fixed_length(model: nn.Module, length: int) -> Iterator[None]:
     Why: with a KV cache, keys computed earlier keep the rotation they were given. If a dynamic method changed its
     frequencies as the sequence grew (transformers issue #25104), cached keys and new queries would disagree and cached
     generation would differ from a full recompute. Fixing the length for a whole generate call (patched models'
-    ``generate`` does this with prompt + max_new_tokens) keeps them consistent. The trade-off: the prompt is encoded
-    with the scale of the final length rather than its own, exactly what a full recompute at the final length sees.
+    ``generate`` does this with the call's final length, as transformers works it out) keeps them consistent. The
+    trade-off: the prompt is encoded with the scale of the final length rather than its own, exactly what a full
+    recompute at the final length sees.
     """
     state = patch_state(model)
     if state is None:
@@ -296,39 +395,3 @@ def fixed_length(model: nn.Module, length: int) -> Iterator[None]:
         yield
     finally:
         state.frozen_length = previous
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# generate: one length for the whole call.
-
-
-def _final_length(model: nn.Module, args: tuple, kwargs: dict) -> int | None:
-    """prompt + max_new_tokens (or max_length) of a generate call: the longest sequence it can build."""
-    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-    if inputs is None and kwargs.get("inputs_embeds") is not None:
-        inputs = kwargs["inputs_embeds"][..., 0]
-    if not torch.is_tensor(inputs):
-        return None
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    if max_new is not None:
-        return int(inputs.shape[-1]) + int(max_new)
-    max_length = kwargs.get("max_length", getattr(config, "max_length", None))
-    return int(max_length) if max_length is not None else None
-
-
-def _install_generate(model: nn.Module) -> Any:
-    previous = model.__dict__.get("generate", MISSING)
-    inner = model.generate
-
-    @functools.wraps(inner)
-    def generate(*args, **kwargs):
-        state = patch_state(model)
-        total = _final_length(model, args, kwargs)
-        if state is None or state.frozen_length is not None or total is None:
-            return inner(*args, **kwargs)
-        with fixed_length(model, total):
-            return inner(*args, **kwargs)
-
-    model.generate = generate
-    return previous

@@ -2,31 +2,41 @@
 
 After a patch, ``config.rope_parameters`` and ``max_position_embeddings`` describe the patched model, in transformers'
 own spelling where the config class accepts the method, so ``save_pretrained`` writes a checkpoint that plain
-transformers reloads as it ran. ``config.rope_patch`` records the method, its parameters and the original RoPE
-entries, so :func:`rope_patch.from_pretrained` can re-apply methods transformers lacks and every later patch starts
-from the unscaled base (methods never compound).
+transformers reloads as it ran; the legacy ``rope_scaling``/``rope_theta`` let transformers 4.x read it too, or make
+4.x fail loudly where it cannot run the patch. ``config.rope_patch`` records the patch, its native length and the
+original RoPE entries, so :func:`rope_patch.from_pretrained` can re-apply methods transformers lacks and every later
+patch starts from the unscaled base (methods never compound). The native length is read where the config states it,
+or refused.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import json
 from typing import Any
 
 from torch import nn
 
+from ..errors import NativeLengthError
 from ..hub import quiet_transformers
-from ..methods import RopeBase, get_method, method_label
+from ..methods import RopeBase, get_method
 from .rotary import MISSING, RotaryTarget, layer_rope_parameters, rebuild_module
 
 CONFIG_KEY = "rope_patch"  # where a checkpoint records the patch (inside config.json)
 CONFIG_FIELDS = ("rope_parameters", "max_position_embeddings", "original_max_position_embeddings", CONFIG_KEY)
+# What transformers 4.x reads instead of rope_parameters. Written into config.__dict__ (where save_pretrained finds
+# them): in transformers 5 `rope_scaling` is a property aliasing rope_parameters, and its setter would replace them.
+LEGACY_FIELDS = ("rope_scaling", "rope_theta")
 
 ConfigSnapshot = dict[str, Any]
+NativeLength = tuple[int, str]  # the native length and where it was read
 
 
 def snapshot_config(config) -> ConfigSnapshot:
     """The config entries a patch rewrites (MISSING where the config had none)."""
     values = {k: getattr(config, k, MISSING) for k in CONFIG_FIELDS}
+    values.update({k: config.__dict__.get(k, MISSING) for k in LEGACY_FIELDS})
     return {k: v if v is MISSING else copy.deepcopy(v) for k, v in values.items()}
 
 
@@ -34,6 +44,8 @@ def restore_config(config, snapshot: ConfigSnapshot) -> None:
     for key, value in snapshot.items():
         if value is MISSING:
             config.__dict__.pop(key, None)
+        elif key in LEGACY_FIELDS:
+            config.__dict__[key] = copy.deepcopy(value)
         else:
             setattr(config, key, copy.deepcopy(value))
 
@@ -44,24 +56,78 @@ def saved_patch(config) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def unscaled_base(config, layer_type: str | None, dim: int, live_snapshot: ConfigSnapshot | None = None) -> RopeBase:
+# ---------------------------------------------------------------------------------------------------------------
+# The unscaled RoPE, and the native length: where the config states it, or refused.
+
+
+def _entries(config, live_snapshot: ConfigSnapshot | None) -> dict[str, Any]:
+    """The config entries a live patch replaced (its snapshot), else the config's own; MISSING read as None."""
+    values = live_snapshot if live_snapshot is not None else {k: getattr(config, k, None) for k in CONFIG_FIELDS}
+    return {k: None if v is MISSING else v for k, v in values.items()}
+
+
+def _original(values: dict[str, Any]) -> dict[str, Any]:
+    """The unscaled entries: the original a rope_patch record keeps, else the entries themselves."""
+    record = values.get(CONFIG_KEY)
+    return record["original"] if isinstance(record, dict) and "original" in record else values
+
+
+def _layer(values: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
+    params = values.get("rope_parameters") or {}
+    return dict(params[layer_type] if layer_type else params)
+
+
+def stated_native_length(values: dict[str, Any], layer_type: str | None) -> NativeLength | None:
+    """The native length where config entries state it, or None. rope_parameters' original_max_position_embeddings
+    (transformers 5 fills it from max_position_embeddings for yarn, llama3 and longrope configs that lack it: its
+    reading, which rope_patch shares), a top-level original_max_position_embeddings (Phi-3), a rope_patch record, or
+    max_position_embeddings under unscaled RoPE. A scaled config without any of these (linear x4 with
+    max_position_embeddings 256: is 256 the native or the scaled length?) states nothing."""
+    record = values.get(CONFIG_KEY)
+    if isinstance(record, dict) and "original" in record:
+        if record.get("native_length"):
+            return int(record["native_length"]), "rope_patch record"
+        found = stated_native_length(record["original"], layer_type)
+        return (found[0], f"rope_patch record: {found[1]}") if found else None
+    params = _layer(values, layer_type)
+    if params.get("original_max_position_embeddings"):
+        return int(params["original_max_position_embeddings"]), "rope_parameters.original_max_position_embeddings"
+    if values.get("original_max_position_embeddings"):
+        return int(values["original_max_position_embeddings"]), "config.original_max_position_embeddings"
+    if params.get("rope_type", "default") == "default" and values.get("max_position_embeddings"):
+        return int(values["max_position_embeddings"]), "max_position_embeddings (unscaled RoPE)"
+    return None
+
+
+def native_length_of(config, layer_type: str | None, live_snapshot: ConfigSnapshot | None = None,
+                     given: int | None = None) -> NativeLength:
+    """The native length of the unscaled RoPE and its source: ``given`` (native_length=), else what the config states;
+    a config that states nothing is refused with NativeLengthError, one line asking for the length."""
+    values = _entries(config, live_snapshot)
+    stated = stated_native_length(values, layer_type)
+    if given is not None:
+        if stated is not None and stated[0] != given:
+            return int(given), f"given (the config says {stated[0]}: {stated[1]})"
+        return int(given), "given"
+    if stated is not None:
+        return stated
+    params = _layer(_original(values), layer_type)
+    scaling = ", ".join(f"{k}={v}" for k, v in params.items() if k in ("rope_type", "factor"))
+    length = _original(values).get("max_position_embeddings")
+    raise NativeLengthError(
+        f"{type(config).__name__}: its RoPE is already scaled ({scaling}) and the config does not say the native "
+        f"(pretraining) length: max_position_embeddings={length} may be the native or the scaled length; give it: "
+        "native_length=N (Python) or --native-length N (command line)"
+    )
+
+
+def unscaled_base(config, layer_type: str | None, dim: int, live_snapshot: ConfigSnapshot | None = None,
+                  native: int | None = None) -> RopeBase:
     """The unscaled RoPE every method starts from, whatever scaling the model carries now (so nothing compounds):
     read from the live patch's snapshot, else from the original a rope_patch checkpoint recorded, else the config."""
-    record = saved_patch(config)
-    if live_snapshot is not None:
-        values = live_snapshot
-    elif record is not None and "original" in record:
-        values = record["original"]
-    else:
-        values = {k: getattr(config, k, None) for k in CONFIG_FIELDS}
-    original = {k: (None if v is MISSING else v) for k, v in values.items()}
-    params = original["rope_parameters"][layer_type] if layer_type else original["rope_parameters"]
-    native = (
-        params.get("original_max_position_embeddings")
-        or original.get("original_max_position_embeddings")
-        or original["max_position_embeddings"]
-    )
-    return RopeBase(rope_theta=float(params["rope_theta"]), dim=dim, native_length=int(native))
+    params = _layer(_original(_entries(config, live_snapshot)), layer_type)
+    length, _ = native_length_of(config, layer_type, live_snapshot, native)
+    return RopeBase(rope_theta=float(params["rope_theta"]), dim=dim, native_length=length)
 
 
 def carries_scaling(config, layer_type: str | None) -> bool:
@@ -81,18 +147,21 @@ def reset_saved_patch(modules: list[tuple[str, nn.Module]]) -> str | None:
             continue
         label = record.get("label", record.get("method"))
         for key, value in record["original"].items():
+            if key in LEGACY_FIELDS:
+                continue
             if value is None:
                 module.config.__dict__.pop(key, None)
             else:
                 setattr(module.config, key, copy.deepcopy(value))
-        delattr(module.config, CONFIG_KEY)
+        for key in (CONFIG_KEY, *LEGACY_FIELDS):
+            module.config.__dict__.pop(key, None)
         rebuild_module(module)
     return label
 
 
-def write_config(config, targets: list[RotaryTarget], method: str, given: dict, snapshot: ConfigSnapshot) -> bool:
+def write_config(config, targets: list[RotaryTarget], method: str, snapshot: ConfigSnapshot) -> bool:
     """Make config describe the patched model: transformers' own rope_parameters where this config class accepts
-    the method (True), else the original ones plus the ``rope_patch`` key alone (False)."""
+    the method (True), else the original ones (False: only the ``rope_patch`` record will carry the patch)."""
     spec = get_method(method)
     nested = any(t.layer_type for t in targets)
     rope_parameters = copy.deepcopy(config.rope_parameters)
@@ -115,17 +184,99 @@ def write_config(config, targets: list[RotaryTarget], method: str, given: dict, 
         except (ValueError, TypeError):  # e.g. Phi-3 configs accept only default and longrope
             config.rope_parameters = copy.deepcopy(snapshot["rope_parameters"])
             native = False
-    config.max_position_embeddings = max(spec.context_length(t.base, t.params) for t in targets)
+    config.max_position_embeddings = max(_position_embeddings(spec, t, native) for t in targets)
     if "original_max_position_embeddings" in config.__dict__:  # Phi-3 style: reload prefers the top-level key
         config.original_max_position_embeddings = targets[0].params.get(
             "original_max_position_embeddings", targets[0].base.native_length
         )
-    original = {k: (None if v is MISSING else v) for k, v in snapshot.items() if k != CONFIG_KEY}
-    setattr(config, CONFIG_KEY, {
-        "method": method,
-        "params": copy.deepcopy(given),
-        "label": method_label(method, given),
-        "layer_types": [t.layer_type for t in targets] if nested else None,
-        "original": original,
-    })
     return native
+
+
+def _position_embeddings(spec, target: RotaryTarget, native: bool) -> int:
+    """max_position_embeddings of the patched config: the context the patch reaches, except under transformers'
+    "dynamic", which reads its native length from max_position_embeddings."""
+    if native and spec.rope_parameters(target.base, target.params)["rope_type"] == "dynamic":
+        return target.params["original_max_position_embeddings"]
+    return spec.context_length(target.base, target.params)
+
+
+def patch_record(snapshot: ConfigSnapshot, method: str, given: dict, label: str, layer_types: list | None,
+                 native_length: int) -> dict[str, Any]:
+    """What config.rope_patch keeps: the patch as called (re-applied by rope_patch.from_pretrained), its native
+    length, and the unscaled entries (the original an earlier record kept, if the config came with one)."""
+    previous = snapshot.get(CONFIG_KEY)
+    if isinstance(previous, dict) and "original" in previous:
+        original = copy.deepcopy(previous["original"])
+    else:
+        original = {k: (None if v is MISSING else v) for k, v in snapshot.items()
+                    if k != CONFIG_KEY and k not in LEGACY_FIELDS}
+    return {"method": method, "params": copy.deepcopy(given), "label": label, "layer_types": layer_types,
+            "native_length": native_length, "original": original}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Readers older than transformers 5: the legacy keys.
+
+
+def legacy_marker(label: str) -> str:
+    """The top-level rope_theta of a checkpoint transformers 4.x cannot run: a text, so 4.x fails on load instead of
+    running plain RoPE (4.x computes its frequencies from rope_theta; transformers 5 reads rope_parameters)."""
+    return f"rope_patch:{label} (transformers 4.x cannot run it: load with rope_patch.from_pretrained, transformers 5)"
+
+
+def _legacy_candidates(config, portable: bool, label: str) -> list[dict[str, Any]]:
+    """What older readers may be given, best first: transformers 4.x's own spelling of the patched RoPE (a flat
+    rope_parameters transformers implements), else the marker that makes them fail loudly."""
+    marker = {"rope_theta": legacy_marker(label)}
+    params = config.rope_parameters
+    if not portable or any(isinstance(v, dict) for v in params.values()):  # per-layer-type RoPE: 4.x spells it per family
+        return [marker]
+    rope_type = params.get("rope_type", "default")
+    scaling = None if rope_type == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    legacy = {"rope_theta": params["rope_theta"], "rope_scaling": scaling}
+    if rope_type == "longrope":  # 4.x reads longrope's native length from the top-level key only
+        legacy["original_max_position_embeddings"] = params["original_max_position_embeddings"]
+    return [legacy, marker]
+
+
+def _reloads_identically(config, reference: dict[str, Any]) -> bool:
+    """Whether transformers 5 reads this config's JSON back to the same RoPE entries (on load it prefers a legacy
+    rope_scaling to rope_parameters, and fills defaults from rope_theta)."""
+    try:
+        text = config.to_json_string()
+    except (ValueError, TypeError):
+        return False
+    reloaded = _reload(type(config), text)
+    return reloaded is not None and all(reloaded.get(k) == v for k, v in reference.items())
+
+
+@functools.lru_cache(maxsize=256)
+def _reload(config_class: type, text: str) -> dict[str, Any] | None:
+    """The RoPE entries transformers 5 loads from a config's JSON (cached: sweeps patch the same way many times)."""
+    try:
+        with quiet_transformers():
+            reloaded = config_class.from_dict(json.loads(text))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return {k: copy.deepcopy(getattr(reloaded, k)) for k in CONFIG_FIELDS if hasattr(reloaded, k)}
+
+
+def write_record(config, record: dict[str, Any], portable: bool) -> str:
+    """Write config.rope_patch, and for older readers the legacy keys: transformers 4.x's rope_scaling/rope_theta
+    where the patch has a transformers spelling, else a marker that makes 4.x fail loudly. Only what transformers 5
+    reads back identically is kept. Returns what transformers 4.x will make of the saved config."""
+    setattr(config, CONFIG_KEY, record)
+    reference = {k: copy.deepcopy(getattr(config, k, None)) for k in CONFIG_FIELDS if k != CONFIG_KEY}
+    for candidate in _legacy_candidates(config, portable, record["label"]):
+        before = {k: config.__dict__.get(k, MISSING) for k in candidate}
+        config.__dict__.update(copy.deepcopy(candidate))
+        expected = {**reference, **{k: v for k, v in candidate.items() if k not in LEGACY_FIELDS}}
+        if _reloads_identically(config, expected):
+            return "transformers 4.x reads it too" if "rope_scaling" in candidate else \
+                "transformers 4.x refuses to load it (its rope_theta names rope_patch)"
+        for key, value in before.items():
+            if value is MISSING:
+                config.__dict__.pop(key, None)
+            else:
+                config.__dict__[key] = value
+    return "transformers 4.x would load plain RoPE: no legacy key this config class reads back unchanged"

@@ -95,26 +95,78 @@ def test_cached_generation_equals_uncached_and_full_recompute(method, prompt_len
 
 @pytest.mark.parametrize(
     "how",
-    ["max_new_tokens", "max_length", "generation_config", "model_generation_config"],
+    ["max_new_tokens", "max_length", "generation_config", "model_generation_config", "passed_config_inherits_model",
+     "kwargs_over_passed_config", "max_new_tokens_over_max_length", "inputs_embeds", "inputs_embeds_max_length"],
 )
 @pytest.mark.parametrize("method", DYNAMIC)
 def test_the_generation_length_is_read_however_it_is_given(method, how):
     model = _model(method)
     prompt, new_tokens = _prompt(48), 24
+    inputs = {"inputs": prompt, "attention_mask": torch.ones_like(prompt)}
     if how == "max_new_tokens":
         kwargs = {"max_new_tokens": new_tokens}
     elif how == "max_length":
         kwargs = {"max_length": 48 + new_tokens}
     elif how == "generation_config":
         kwargs = {"generation_config": GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)}
-    else:
+    elif how == "model_generation_config":
         model.generation_config.max_new_tokens = new_tokens
         kwargs = {}
+    elif how == "passed_config_inherits_model":  # transformers fills a passed config's unset fields from the model's
+        model.generation_config.max_new_tokens = new_tokens
+        kwargs = {"generation_config": GenerationConfig(do_sample=False, pad_token_id=0)}
+    elif how == "kwargs_over_passed_config":
+        kwargs = {"generation_config": GenerationConfig(do_sample=False, max_new_tokens=5, pad_token_id=0),
+                  "max_new_tokens": new_tokens}
+    elif how == "max_new_tokens_over_max_length":  # transformers: max_new_tokens takes precedence
+        kwargs = {"max_length": 60, "max_new_tokens": new_tokens}
+    else:  # the prompt as embeddings: the output holds the new tokens only
+        inputs = {"inputs_embeds": model.get_input_embeddings()(prompt).detach(), "attention_mask": inputs["attention_mask"]}
+        kwargs = {"max_new_tokens": new_tokens} if how == "inputs_embeds" else {"max_length": 48 + new_tokens}
+    with torch.no_grad():
+        out = model.generate(**inputs, output_logits=True, return_dict_in_generate=True, **kwargs)
+    tokens, logits = out.sequences[:, -new_tokens:], torch.stack(out.logits, dim=1)
+    assert logits.shape[1] == new_tokens
+    _assert_same(tokens, logits, *_recompute(model, prompt, new_tokens))
+
+
+# With no length anywhere, transformers generates its default 20 new tokens (GenerationConfig.max_length), capped at
+# config.max_position_embeddings; rope_patch caps at the patch's context length where that is longer (dynamic_ntk
+# keeps max_position_embeddings at the native length because transformers' "dynamic" reads it there). The final
+# length of each case, worked out by hand: prompt + 20, capped.
+DEFAULT_NEW_TOKENS = 20
+NO_LENGTH = [  # (method, prompt length, final length)
+    ("dynamic_ntk", 50, 70),  # crosses the native length 64; cap 2 x 64
+    ("longrope", 50, 70),  # crosses 64, where longrope switches lists; cap 2 x 64 (its max_position_embeddings)
+    ("dynamic_yarn", 50, 64),  # no factor, no longer context: transformers' cap, the native length
+    ("dynamic_ntk", 70, 90),  # past the native length from the start: transformers alone refuses this call
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
+@pytest.mark.parametrize("method, prompt_len, final", NO_LENGTH)
+def test_generate_with_no_length_holds_the_length_transformers_generates_to(method, prompt_len, final):
+    model = _model(method)
+    prompt = _prompt(prompt_len)
     with torch.no_grad():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), output_logits=True,
-                             return_dict_in_generate=True, **kwargs)
-    tokens, logits = out.sequences[:, 48:], torch.stack(out.logits, dim=1)
-    _assert_same(tokens, logits, *_recompute(model, prompt, new_tokens))
+                             return_dict_in_generate=True)
+    tokens, logits = out.sequences[:, prompt_len:], torch.stack(out.logits, dim=1)
+    assert tokens.shape[1] == min(DEFAULT_NEW_TOKENS, final - prompt_len)
+    _assert_same(tokens, logits, *_recompute(model, prompt, final - prompt_len, length=final))
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
+def test_inputs_embeds_with_no_length_count_the_embeddings_in_the_final_length():
+    model = _model("longrope")
+    prompt = _prompt(50)
+    embeds = model.get_input_embeddings()(prompt).detach()
+    with torch.no_grad():
+        out = model.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(prompt), output_logits=True,
+                             return_dict_in_generate=True)
+    tokens, logits = out.sequences, torch.stack(out.logits, dim=1)
+    assert tokens.shape[1] == DEFAULT_NEW_TOKENS  # transformers: 20 new tokens after the embeddings
+    _assert_same(tokens, logits, *_recompute(model, prompt, DEFAULT_NEW_TOKENS, length=50 + DEFAULT_NEW_TOKENS))
 
 
 @pytest.mark.parametrize("method", DYNAMIC)
@@ -155,3 +207,11 @@ def test_a_naive_cache_would_disagree(method):
             cache = out.past_key_values
     assert ids.shape[1] > NATIVE
     assert drift > 0.1  # a thousand times the tolerance the tests above allow
+
+
+def test_continuous_batching_under_a_dynamic_method_is_refused_in_one_line():
+    """cache_implementation="paged" runs requests of different lengths through the same forwards: no one length to
+    hold (without the refusal, transformers logs the request as failed and returns the prompt alone)."""
+    model = _model("dynamic_ntk")
+    with pytest.raises(rope_patch.RopePatchError, match="fixed_length"):
+        model.generate(_prompt(50), max_new_tokens=4, cache_implementation="paged")
