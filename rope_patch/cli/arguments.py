@@ -37,8 +37,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, config: type[JobConfig
         if meta.get("positional"):
             parser.add_argument(spec.name, nargs="?", **kwargs)
             continue
-        if hints[spec.name] is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
+        if hints[spec.name] is bool:  # --flag, --flag VALUE (read as YAML values are: on/off, yes/no, ...), --no-flag
+            off = "--no-" + flag(spec.name)[2:]
+            parser.add_argument(off, dest=spec.name, action="store_const", const=False,
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            kwargs.update(nargs="?", const=True, metavar="on|off", help=help_text.removesuffix(")") + f"; {off} = off)")
         elif meta.get("repeat"):
             kwargs["action"] = "append"
         elif meta.get("const") is not None:

@@ -18,8 +18,7 @@ from typing import Any, ClassVar
 import yaml
 
 from ..errors import ConfigError
-
-TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+from ..methods.values import parse_bool, parse_number
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, repeat: bool = False,
@@ -41,37 +40,17 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _parse_int(name: str, value: Any, tokens: bool) -> int:
-    text = str(value).strip().replace("_", "")
-    try:
-        if tokens and text.lower().endswith("k"):
-            return int(float(text[:-1]) * 1024)
-        number = float(text)
-        if number != int(number):
-            raise ValueError
-        return int(number)
-    except ValueError:
-        example = " (16k = 16,384)" if tokens else ""
-        raise ConfigError(f"{flag(name)} {value!r}: give a whole number{example}") from None
-
-
 def _parse_scalar(name: str, kind: type, value: Any, meta: Mapping[str, Any]) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in TRUE + FALSE:
-            return str(value).lower() in TRUE
-        raise ConfigError(f"{flag(name)} {value!r}: give true or false")
+    try:
+        if kind is bool:
+            return parse_bool(value)
+        if kind in (int, float):
+            number = parse_number(value, whole=kind is int, tokens=meta.get("tokens", False))
+            return float(number) if kind is float else number
+    except ValueError as error:
+        raise ConfigError(f"{flag(name)} {value!r}: {error}") from None
     if isinstance(value, bool):
-        raise ConfigError(f"{flag(name)} {value!r}: give {'a number' if kind in (int, float) else 'text'}, "
-                          "not true/false")
-    if kind is int:
-        return _parse_int(name, value, meta.get("tokens", False))
-    if kind is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{flag(name)} {value!r}: give a number") from None
+        raise ConfigError(f"{flag(name)} {value!r}: give text, not true/false")
     return value if not isinstance(value, (int, float)) or kind is not str else str(value)
 
 

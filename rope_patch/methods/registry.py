@@ -15,7 +15,6 @@ one with :func:`register_method`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidParameterError, UnknownMethodError
+from .values import parse_bool, parse_number
 
 
 @dataclass(frozen=True)
@@ -91,33 +91,27 @@ def _coerce(method: str, key: str, param: Param, value: Any) -> Any:
     def bad(why: str) -> InvalidParameterError:
         return InvalidParameterError(f"{method}: parameter {key}={value!r} {why}")
 
+    def unreadable(error: ValueError) -> InvalidParameterError:
+        return InvalidParameterError(f"{method}: parameter {key}={value!r}: {error}")
+
     if value is None and param.optional:
         return None
     if param.kind == "bool":
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "1", "yes"):
-            return True
-        if str(value).lower() in ("false", "0", "no"):
-            return False
-        raise bad("must be true or false")
+        try:
+            return parse_bool(value)
+        except ValueError as error:
+            raise unreadable(error) from None
     if param.kind == "floats":
         if not isinstance(value, (list, tuple)) or not value:
             raise bad("must be a list of numbers, one per rotary pair, e.g. [1.0,1.0,...]")
         return [_coerce(method, key, Param("float", ""), v) for v in value]
-    if isinstance(value, bool):
-        raise bad("must be a number")
     try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise bad("must be a number") from None
-    if not math.isfinite(number) or number <= 0:
+        number = parse_number(value, whole=param.kind == "int")
+    except ValueError as error:
+        raise unreadable(error) from None
+    if number <= 0:
         raise bad("must be a positive number")
-    if param.kind == "int":
-        if number != int(number):
-            raise bad("must be a whole number")
-        return int(number)
-    return number
+    return number if param.kind == "int" else float(number)
 
 
 def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,25 +4,30 @@
 
 from __future__ import annotations
 
-import ast
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidParameterError
 from .registry import get_method
+from .values import FALSE, TRUE, parse_bool, parse_number
 
 
 def _parse_value(text: str) -> Any:
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
+    """A spec value: ``none``/``null``, a list ``[1.0,1.5]``, a boolean or a number as :mod:`.values` reads them
+    everywhere (so ``truncate=off`` here is ``--progress off`` there), else the text, which the method's parameter
+    check then refuses by name."""
+    text = text.strip()
+    if text.lower() in ("none", "null"):
         return None
+    if text[:1] + text[-1:] in ("[]", "()"):
+        return [_parse_value(item) for item in _split_top_level(text[1:-1])] if text[1:-1].strip() else []
+    if text.lower() in TRUE + FALSE and not text.isdigit():
+        return parse_bool(text)
     try:
-        return ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        return text.strip()
+        return parse_number(text)
+    except ValueError:
+        return text
 
 
 def _split_top_level(text: str) -> list[str]:
