@@ -1,4 +1,4 @@
-"""Fused CUDA kernels (liger-kernel) on one loaded model, reversibly: ``--kernels liger`` in every job.
+"""Fused Triton kernels (liger-kernel) on one loaded model, reversibly: ``--kernels liger`` in every job.
 
 Liger's Triton kernels replace RMSNorm, the SwiGLU MLP and the RoPE application of a decoder, and its fused linear
 cross-entropy computes ``cross_entropy(h W^T, y)`` without holding the logits (issue 10: on an H100 at 32k, decoder
@@ -12,6 +12,11 @@ attention forwards look up by name; it is brought back for this model only: each
 instance-level forward that swaps the name in for the duration of its own call (the recomputation of gradient
 checkpointing included). The kernel applies the ``cos``/``sin`` that the rotary module produces, so a rope_patch
 patch (which rewrites the rotary module's frequencies) is kept. :func:`remove_kernels` restores the instance exactly.
+
+Without a GPU, Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before liger-kernel is imported) runs
+the kernels on CPU tensors, slowly: for checking, not for speed. There the RoPE kernel and the fused linear
+cross-entropy run and are exact; RMSNorm and the gated MLPs fail inside the interpreter (Liger calls ``.to`` on a scalar
+argument, which the interpreter passes as a Python float), so they are left out and a line on stderr says so.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,12 +41,18 @@ from .errors import KernelsUnavailableError
 KERNELS = ("none", "liger")
 STATE_ATTR = "_rope_patch_kernels"
 INSTALL_HINT = "pip install 'rope-patch[liger]'"
-KERNELS_HELP = ("fused CUDA kernels: liger (liger-kernel's RMSNorm, SwiGLU and RoPE application, keeping the patched "
-                f"frequencies; in training also its fused linear cross-entropy; needs a GPU and {INSTALL_HINT}) or none")
+INTERPRETER = "TRITON_INTERPRET"
+KERNELS_HELP = ("fused Triton kernels: liger (liger-kernel's RMSNorm, SwiGLU and RoPE application, keeping the patched "
+                f"frequencies; in training also its fused linear cross-entropy; needs a CUDA GPU and {INSTALL_HINT}; "
+                f"on CPU, {INTERPRETER}=1 runs its RoPE and fused cross-entropy in Triton's interpreter) or none")
 _MISSING = object()
 # Every Liger kernel except the fused loss, which rope_patch's own loss calls (see liger_head_loss).
 LIGER_OPTIONS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
                  "fused_linear_cross_entropy": False}
+# The kernels of Liger's patch functions that run in Triton's interpreter (with the fused loss of liger_head_loss).
+INTERPRETER_OPTIONS = ("rope",)
+KERNEL_LABELS = {"rms_norm": "RMSNorm", "swiglu": "SwiGLU MLP", "geglu": "GeGLU MLP", "layer_norm": "LayerNorm",
+                 "relu_squared": "ReLU² MLP"}
 
 
 @dataclass
@@ -50,10 +63,15 @@ class KernelState:
     family: str
     changes: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, old value or _MISSING)
     rope_modules: int = 0
+    left_out: tuple[str, ...] = ()  # Liger's option names of the kernels Triton's interpreter cannot run
 
     def __str__(self) -> str:
-        rope = f", RoPE application in {self.rope_modules} attention modules" if self.rope_modules else ", no RoPE kernel"
-        return f"{self.name} kernels on {self.family}: RMSNorm, gated MLP{rope}, fused linear cross-entropy in training"
+        rope = f"RoPE application in {self.rope_modules} attention modules" if self.rope_modules else "no RoPE kernel"
+        if not self.left_out:
+            return f"{self.name} kernels on {self.family}: RMSNorm, gated MLP, {rope}, fused linear cross-entropy in training"
+        left_out = ", ".join(KERNEL_LABELS.get(option, option) for option in self.left_out)
+        return (f"{self.name} kernels on {self.family} in Triton's interpreter (CPU, slow: for checking, not speed): "
+                f"{rope}, fused linear cross-entropy in training; left out: {left_out} (they fail in the interpreter)")
 
 
 def kernel_choice(name: str | None) -> str | None:
@@ -65,15 +83,49 @@ def kernel_choice(name: str | None) -> str | None:
     return name
 
 
+def triton_interpreter() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``), as Triton itself reads the variable."""
+    if not os.environ.get(INTERPRETER):
+        return False
+    try:
+        knobs = getattr(importlib.import_module("triton"), "knobs", None)
+    except ImportError:
+        return False
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ[INTERPRETER] == "1"
+
+
 def check_kernels_available(name: str | None) -> None:
-    """Fail early, before a model is loaded, where ``name``'s kernels cannot run: they need a CUDA GPU and the package."""
+    """Fail early, before a model is loaded, where ``name``'s kernels cannot run: they need the package, and a CUDA GPU
+    or Triton's interpreter."""
     if kernel_choice(name) is None:
         return
-    if not torch.cuda.is_available():
-        raise KernelsUnavailableError("--kernels liger needs a CUDA GPU (its kernels are Triton GPU code) and none is "
-                                      "available here: run without --kernels")
+    if not torch.cuda.is_available() and not triton_interpreter():
+        raise KernelsUnavailableError(f"--kernels liger needs a CUDA GPU (its kernels are Triton GPU code) and none is "
+                                      f"available here: run without --kernels, or start with {INTERPRETER}=1 to check "
+                                      "its RoPE and fused cross-entropy on CPU in Triton's interpreter (slow; "
+                                      f"{INSTALL_HINT} installs triton too)")
     if importlib.util.find_spec("liger_kernel") is None:
         raise KernelsUnavailableError(f"--kernels liger needs liger-kernel, which is not installed: {INSTALL_HINT}")
+
+
+def check_device(model: nn.Module, interpreter: bool) -> None:
+    """The GPU kernels run on a model on the GPU; Triton's interpreter runs them on a model on the CPU, and only if
+    liger-kernel's kernels were built for it (the variable set before liger-kernel was imported)."""
+    device = next(model.parameters()).device
+    if interpreter and device.type != "cpu":
+        raise KernelsUnavailableError(f"{INTERPRETER}=1 runs Liger's kernels on the CPU in Triton's interpreter but the "
+                                      f"model is on {device}: unset {INTERPRETER} to use the GPU kernels")
+    if not interpreter and device.type != "cuda":
+        raise KernelsUnavailableError(f"--kernels liger runs on a CUDA GPU but the model is on {device}: move it to the "
+                                      f"GPU first (or start with {INTERPRETER}=1 to check the kernels on CPU)")
+    if interpreter:
+        for module in ("liger_kernel.ops.rope", "liger_kernel.ops.cross_entropy",
+                       "liger_kernel.ops.fused_linear_cross_entropy"):
+            kernels = [type(v).__name__ for v in vars(importlib.import_module(module)).values()]
+            if "JITFunction" in kernels:
+                raise KernelsUnavailableError(
+                    f"liger-kernel was imported before {INTERPRETER}=1 was set, so its kernels were built for a GPU: "
+                    f"set the variable before the process starts ({INTERPRETER}=1 rope-patch ...)")
 
 
 def transformers_model(model: nn.Module) -> nn.Module:
@@ -90,10 +142,11 @@ def apply_kernels(model: nn.Module, name: str | None) -> KernelState | None:
     if kernel_choice(name) is None:
         return None
     check_kernels_available(name)
-    if next(model.parameters()).device.type != "cuda":
-        raise KernelsUnavailableError("--kernels liger runs on a CUDA GPU but the model is on "
-                                      f"{next(model.parameters()).device}: move it to the GPU first")
+    interpreter = triton_interpreter()
+    check_device(model, interpreter)
     monkey_patch = importlib.import_module("liger_kernel.transformers.monkey_patch")
+    # Liger looks for optional backends (CuTe DSL, Ascend) at a kernel's first call and warns for each one missing.
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     base = transformers_model(model)
     family = getattr(base.config, "model_type", None)
     apply_fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(family)
@@ -103,7 +156,16 @@ def apply_kernels(model: nn.Module, name: str | None) -> KernelState | None:
             f"{', '.join(sorted(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN))}: run without --kernels")
     accepted = inspect.signature(apply_fn).parameters
     options = {k: v for k, v in LIGER_OPTIONS.items() if k in accepted}
-    return apply_instance_patch(base, lambda: apply_fn(model=base, **options), name, family)
+    left_out: tuple[str, ...] = ()
+    if interpreter:  # every kernel switch off but those the interpreter runs
+        switches = {k: options.get(k, p.default) for k, p in accepted.items() if isinstance(p.default, bool)}
+        left_out = tuple(k for k, on in switches.items() if on and k not in INTERPRETER_OPTIONS)
+        options = {k: k in INTERPRETER_OPTIONS for k in switches}
+    state = apply_instance_patch(base, lambda: apply_fn(model=base, **options), name, family)
+    state.left_out = left_out
+    if left_out:
+        print(state, file=sys.stderr)
+    return state
 
 
 def apply_instance_patch(model: nn.Module, patch_globally: Callable[[], None], name: str, family: str) -> KernelState:

@@ -16,6 +16,7 @@ from rope_patch.cli import main
 from rope_patch.errors import ConfigError, KernelsUnavailableError
 from rope_patch.jobs import EvalConfig, FinetuneConfig, LmEvalConfig, PasskeyConfig
 from rope_patch.kernels import (
+    KernelState,
     apply_instance_patch,
     apply_kernels,
     check_kernels_available,
@@ -44,10 +45,11 @@ def instance_dicts(model) -> list[dict]:
 @pytest.fixture
 def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 def test_without_cuda_one_clear_error(no_cuda):
-    with pytest.raises(KernelsUnavailableError, match="needs a CUDA GPU"):
+    with pytest.raises(KernelsUnavailableError, match="needs a CUDA GPU .* or start with TRITON_INTERPRET=1 to check"):
         check_kernels_available("liger")
     check_kernels_available(None)
     check_kernels_available("none")
@@ -61,11 +63,44 @@ def test_without_the_package_the_error_names_the_install(monkeypatch):
 
 
 def test_a_model_on_the_cpu_is_refused(monkeypatch, tiny_llama):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
     with pytest.raises(KernelsUnavailableError, match="move it to the GPU"):
         apply_kernels(tiny_llama, "liger")
     assert apply_kernels(tiny_llama, None) is None and kernels_state(tiny_llama) is None
+
+
+@pytest.fixture
+def liger_imported_for_the_gpu(monkeypatch):
+    """liger-kernel imported in this process without the interpreter (as the rest of the suite has it), then
+    TRITON_INTERPRET=1 set: too late for its kernels."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rope = pytest.importorskip("liger_kernel.ops.rope")
+    pytest.importorskip("liger_kernel.ops.cross_entropy")
+    if "InterpretedFunction" in [type(v).__name__ for v in vars(rope).values()]:
+        pytest.skip("this process imported liger-kernel in Triton's interpreter")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_the_interpreter_set_after_liger_was_imported_is_refused(liger_imported_for_the_gpu, tiny_llama):
+    check_kernels_available("liger")  # the variable is set: the config is accepted
+    with pytest.raises(KernelsUnavailableError, match=r"imported before TRITON_INTERPRET=1 was set.* before the process"):
+        apply_kernels(tiny_llama, "liger")
+    assert kernels_state(tiny_llama) is None
+
+
+def test_the_interpreter_with_a_model_off_the_cpu_is_refused(liger_imported_for_the_gpu, tiny_llama):
+    with pytest.raises(KernelsUnavailableError, match="the model is on meta: unset TRITON_INTERPRET"):
+        apply_kernels(tiny_llama.to("meta"), "liger")
+
+
+def test_the_state_line_names_what_the_interpreter_left_out():
+    state = KernelState("liger", "gemma", rope_modules=2, left_out=("rms_norm", "geglu"))
+    assert str(state).endswith("RoPE application in 2 attention modules, fused linear cross-entropy in training; "
+                               "left out: RMSNorm, GeGLU MLP (they fail in the interpreter)")
+    assert "left out" not in str(KernelState("liger", "llama", rope_modules=2))
 
 
 # ------------------------------------------------------------------------------------------ one option, every job
