@@ -6,6 +6,7 @@ command-line option (``--progress off``), a YAML file (``progress: false``) or a
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 TRUE = ("true", "yes", "on", "1")
@@ -17,7 +18,7 @@ def parse_bool(value: Any) -> bool:
     """``True``/``False``, or one of :data:`TRUE`/:data:`FALSE` in any case (the integers 1 and 0 read as text)."""
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    text = str(value).strip().lower() if isinstance(value, (str, numbers.Integral)) else None
     if text in TRUE:
         return True
     if text in FALSE:
@@ -30,9 +31,9 @@ def parse_number(value: Any, *, whole: bool = False, tokens: bool = False) -> in
     text is an integer or ``whole`` is asked for. ``tokens``: a trailing ``k`` counts 1,024 (``16k`` = 16,384). True
     and false are not numbers; neither are nan and inf."""
     hint = "give a whole number" + (" (16k = 16,384)" if tokens else "") if whole else "give a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise ValueError(f"give a number, not {'true/false' if isinstance(value, bool) else type(value).__name__}")
-    number: int | float = value
+    number = int(value) if isinstance(value, numbers.Integral) else value  # numpy's integers too
     if isinstance(value, str):
         text = value.strip()
         scale = 1024 if tokens and text[-1:].lower() == "k" else 1
@@ -50,4 +51,4 @@ def parse_number(value: Any, *, whole: bool = False, tokens: bool = False) -> in
         if number != int(number):
             raise ValueError(hint)
         return int(number)
-    return number
+    return number if isinstance(number, int) else float(number)

@@ -4,6 +4,7 @@ accept the same spellings and refuse the same ones, each refusal naming the para
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from rope_patch.cli import parse
@@ -100,6 +101,14 @@ def test_what_is_not_whole_is_refused_everywhere(text, tmp_path):
     with pytest.raises(ValueError, match="give a whole number|give a number"):
         parse_number(text, whole=True)
     assert every_door(("self_extend", "window"), ("eval", "batch_size"), text, tmp_path) == [REFUSED] * 4
+
+
+def test_numbers_from_python_keep_their_kind():
+    assert parse_number(np.int64(512), whole=True) == 512 and type(parse_number(np.int64(512))) is int
+    assert type(parse_number(np.float64(2.0))) is float and parse_bool(np.int64(1)) is True
+    assert resolve_params("linear", BASE, {"factor": np.float32(2.0)})["factor"] == 2.0
+    with pytest.raises(ValueError, match="give a number, not list"):
+        parse_number([2])
 
 
 def test_token_counts_only_where_an_option_takes_tokens():
