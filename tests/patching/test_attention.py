@@ -10,6 +10,7 @@ hooks, and its position maps are written out here).
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -40,44 +41,67 @@ def far_positions(name: str, params: dict, i: torch.Tensor, j: torch.Tensor) -> 
     return i / k + w - w / k, j / k
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [b, h, n, d] at ``positions`` [n] on the first 2·len(inv_freq) dims."""
-    r = 2 * inv_freq.numel()
-    angle = positions[:, None].double() * inv_freq.double()  # [n, r/2]
-    cos, sin = torch.cat([angle.cos()] * 2, -1).float(), torch.cat([angle.sin()] * 2, -1).float()
-    x_rot, rest = x[..., :r], x[..., r:]
-    half = torch.cat([-x_rot[..., r // 2:], x_rot[..., : r // 2]], -1)
-    return torch.cat([x_rot * cos + half * sin, rest], -1)
+ROTATION_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")  # what each family's attention module calls
 
 
 class Reference:
-    """The oracle attention, installed through transformers' interface under its own name."""
+    """The oracle attention, installed through transformers' interface under its own name.
+
+    It rotates with the family's own code: its rotation function, wrapped while the oracle runs, hands over the
+    unrotated q and k of the layer about to attend (a layer that never calls it, NoPE, attends without positions), and
+    the far band calls that same function with the family's own rotary module evaluated at the remapped positions.
+    Positions come from the test (``position_ids``, else arange), never from the cache or rope_patch's hooks."""
 
     method: tuple[str, dict] | None = None
     model = None
+    positions: torch.Tensor | None = None  # [b, n] of the whole forward
+    captured: tuple | None = None  # (rotation function, q, k) handed to the family's rotation in the current layer
+
+    @staticmethod
+    def wrap(function):
+        def capturing(q, k, *args, **kwargs):
+            Reference.captured = (function, q, k)
+            return function(q, k, *args, **kwargs)
+        return capturing
+
+    @staticmethod
+    def far_rotation(module, function, raw, positions, near):
+        """The family's rotation of the unrotated ``raw`` at ``positions`` [b, n], laid out as ``near`` [b, h, n, d]."""
+        rotary = next(m for m in Reference.model.modules() if any(b.endswith("inv_freq") for b in m._buffers))
+        layer_types = getattr(rotary.config, "layer_types", None)
+        extra = () if "inv_freq" in rotary._buffers else (layer_types[module.layer_idx],)
+        embedding = rotary(near, positions, *extra)
+        rotated = function(raw, raw, *(embedding if isinstance(embedding, tuple) else (embedding,)))[0]
+        if rotated.shape[1] != near.shape[1]:  # rotated as [b, n, h, d] (Llama 4)
+            rotated = rotated.transpose(1, 2)
+        if rotated.shape[-1] < near.shape[-1]:  # partial RoPE rotated apart from the rest (Phi)
+            rotated = torch.cat([rotated, near[..., rotated.shape[-1]:]], -1)
+        # a per-vector normalisation after the rotation (Llama 4's qk-norm) scales both bands alike
+        return rotated * (near.norm(dim=-1, keepdim=True) / rotated.norm(dim=-1, keepdim=True))
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
         name, params = Reference.method
-        rotary = next(m for m in Reference.model.modules() if any(b.endswith("inv_freq") for b in m._buffers))
-        layer_types = getattr(rotary.config, "layer_types", None)
-        buffer = "inv_freq" if "inv_freq" in rotary._buffers else f"{layer_types[module.layer_idx]}_inv_freq"
-        inv_freq = rotary._buffers[buffer].float()
+        captured, Reference.captured = Reference.captured, None
         n = query.shape[2]
-        i = torch.arange(n, dtype=torch.float32)
-        fq, fk = far_positions(name, params, i, i)
-        q_far = rotate(rotate(query, -i, inv_freq), fq, inv_freq)
-        k_far = rotate(rotate(key, -i, inv_freq), fk, inv_freq)
-        groups = query.shape[1] // key.shape[1]
-        key, k_far, value = (x.repeat_interleave(groups, 1) for x in (key, k_far, value))
-        near = query @ key.transpose(-1, -2)
-        far = q_far @ k_far.transpose(-1, -2)
-        d = i[:, None] - i[None, :]
-        scores = torch.where(d < params["window"], near, far) * (scaling or query.shape[-1] ** -0.5)
+        i = Reference.positions.float()[:, -n:]  # [b, n]
+        near = query @ key.repeat_interleave(query.shape[1] // key.shape[1], 1).transpose(-1, -2)
+        if captured is None:  # the family did not rotate this layer
+            scores = near
+        else:
+            function, q_raw, k_raw = captured
+            fq, fk = far_positions(name, params, i, i)
+            q_far = Reference.far_rotation(module, function, q_raw, fq, query)
+            k_far = Reference.far_rotation(module, function, k_raw, fk, key)
+            far = q_far @ k_far.repeat_interleave(query.shape[1] // key.shape[1], 1).transpose(-1, -2)
+            d = (i[:, :, None] - i[:, None, :])[:, None]
+            scores = torch.where(d < params["window"], near, far)
+        scores = scores * (scaling or query.shape[-1] ** -0.5)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        allowed = d >= 0 if attention_mask is None else attention_mask
+        allowed = torch.ones(n, n, dtype=torch.bool).tril() if attention_mask is None else attention_mask
         scores = scores.masked_fill(~allowed, float("-inf"))
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], 1)
         return (torch.softmax(scores, -1) @ value).transpose(1, 2), None
 
 
@@ -85,14 +109,24 @@ AttentionInterface.register(REFERENCE, Reference.attention)
 AttentionMaskInterface.register(REFERENCE, sdpa_mask)
 
 
-def reference_logits(model, ids: torch.Tensor, name: str, params: dict) -> torch.Tensor:
+def reference_logits(model, ids: torch.Tensor, name: str, params: dict, position_ids: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     previous = model.config._attn_implementation
     Reference.method, Reference.model = (name, params), model
+    Reference.positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1) if position_ids is None \
+        else position_ids.expand(ids.shape[0], -1)
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("Attention")}
+    wrapped = [(module, fn, getattr(module, fn)) for module in modules for fn in ROTATION_FUNCTIONS
+               if hasattr(module, fn)]
     model.config._attn_implementation = REFERENCE
     try:
+        for module, fn, original in wrapped:
+            setattr(module, fn, Reference.wrap(original))
         with torch.no_grad():
-            return model(ids).logits
+            return model(ids, position_ids=position_ids, attention_mask=attention_mask).logits
     finally:
+        for module, fn, original in wrapped:
+            setattr(module, fn, original)
         model.config._attn_implementation = previous
 
 
