@@ -98,6 +98,9 @@ def two_band_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     batch, heads, length, _ = query.shape
     keys = key.shape[2]
     fused = mask is None and softcap is None and bool((k_pos.diff(dim=-1) >= 1).all())
+    # the fused kernels return no gradient for their log-sum-exp: under autograd (fine-tuning) the bulk is plain maths
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, far_query, far_key))
+    bulk_attention = explicit_attention_with_lse if training else attention_with_lse
     budget = tile_bytes(query.device)
     block = band_block_size(heads, window, batch, budget) if fused else query_block_size(heads, keys, batch, budget)
     outputs = []
@@ -121,8 +124,8 @@ def two_band_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         out, lse = band_tile(query[:, :, rows], key[:, :, band], value[:, :, band], far_query[:, :, rows],
                              far_key[:, :, band], q_pos[:, rows, None] - k_pos[:, None, band], window, scaling)
         if near_start > 0:  # the far keys every row of the tile attends to in full: a fused kernel
-            bulk_out, bulk_lse = attention_with_lse(far_query[:, :, rows], far_key[:, :, :near_start],
-                                                    value[:, :, :near_start], scaling)
+            bulk_out, bulk_lse = bulk_attention(far_query[:, :, rows], far_key[:, :, :near_start],
+                                                value[:, :, :near_start], scaling)
             out = merge_by_lse(out, lse, bulk_out, bulk_lse)
         outputs.append(out.to(value.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
@@ -323,7 +326,10 @@ def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_pos = query_positions(setup, kwargs, batch, length)
     k_pos = key_positions(module, q_pos.to(query.device), keys)
-    layout = setup.layouts[module.layer_idx]
+    layout = setup.layouts.get(module.layer_idx)
+    if layout is None:
+        raise UnsupportedModelError(f"layer {module.layer_idx}: its rotation was not measured when the attention method "
+                                    "was installed (the model had no weights then); patch the loaded model again")
     if layout == "none":  # a NoPE layer: the family attends without positions, and so do we
         key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
         return plain_attention(query, key, value, attention_mask, scale, softcap), None
@@ -359,6 +365,8 @@ def measure_layouts(model: nn.Module) -> dict[int, str]:
         raise UnsupportedModelError(f"{type(model).__name__}: no attention module with a layer_idx and a config; the "
                                     "attention-level methods need transformers' attention interface")
     rotary_modules = [m for _, m in find_rotary_modules(model)]
+    if any(p.is_meta for p in model.parameters()):
+        return {}  # loaded without weights (``load_structure``, for inspect): nothing will run, nothing to measure
     return probe_layer_rotations(model, modules, rotary_modules[0], rotary_modules)
 
 

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import rope_patch
-from rope_patch.errors import InvalidParameterError
+from rope_patch.errors import InvalidParameterError, UnsupportedModelError
 
 REFERENCE = "rope_patch_test_reference"
 METHODS = {
@@ -110,7 +110,7 @@ AttentionMaskInterface.register(REFERENCE, sdpa_mask)
 
 
 def reference_logits(model, ids: torch.Tensor, name: str, params: dict, position_ids: torch.Tensor | None = None,
-                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     attention_mask: torch.Tensor | None = None, grad: bool = False) -> torch.Tensor:
     previous = model.config._attn_implementation
     Reference.method, Reference.model = (name, params), model
     Reference.positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1) if position_ids is None \
@@ -122,7 +122,7 @@ def reference_logits(model, ids: torch.Tensor, name: str, params: dict, position
     try:
         for module, fn, original in wrapped:
             setattr(module, fn, Reference.wrap(original))
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             return model(ids, position_ids=position_ids, attention_mask=attention_mask).logits
     finally:
         for module, fn, original in wrapped:
@@ -193,7 +193,7 @@ def test_tiles_and_padding_mask(monkeypatch):
     assert torch.allclose(batch[1, :90], expected[0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "cohere2", "glm"])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_cached_generation_equals_full_recomputation_past_the_window(family, name):
     """Prompt shorter than W, generation longer: every step's logits equal a full forward over the same tokens."""
@@ -281,3 +281,148 @@ def test_the_cuda_path_matches_the_reference(name, dtype, tolerance):
     with rope_patch.patched(model, name, **METHODS[name]), torch.no_grad():
         actual = model(ids.cuda()).logits.float().cpu()
     assert (actual - expected).abs().max() < tolerance
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Positions where they are given: PoSE skips, packed sequences, padded batches; caches that hold keys by slot.
+
+
+def pose_positions(length: int) -> torch.Tensor:
+    """PoSE-style ids [1, length]: two chunks, the second skipped far ahead (and past the window)."""
+    from rope_patch.data.pose import pose_position_ids
+
+    return torch.from_numpy(pose_position_ids(length, 400, chunks=2, seed=3))[None]
+
+
+@pytest.mark.parametrize("family", ["llama", "glm", "smollm3"])
+def test_pose_skips_and_packed_sequences_match_the_reference(family):
+    """Keys sit at the positions given, not at "newest query − distance": PoSE's skipped ids with the all-ones mask
+    fine-tuning passes (the fused path), and packed sequences whose ids restart (transformers' block mask)."""
+    model = family_model(family)
+    ids = torch.randint(3, 120, (1, 90), generator=torch.Generator().manual_seed(9))
+    pose, ones = pose_positions(90), torch.ones_like(ids)
+    packed = torch.cat([torch.arange(50), torch.arange(40)])[None]
+    for name, params in METHODS.items():
+        for position_ids, mask in [(pose, ones), (packed, None)]:
+            expected = reference_logits(model, ids, name, params, position_ids, mask)
+            with rope_patch.patched(model, name, **params), torch.no_grad():
+                actual = model(ids, position_ids=position_ids, attention_mask=mask).logits
+            assert torch.allclose(actual, expected, atol=1e-5, rtol=0), (name, (actual - expected).abs().max())
+
+
+def test_fine_tuning_gradients_under_pose_match_the_reference():
+    """Training through an attention method (rope-patch finetune --pose-target-len): the gradients are the oracle's.
+    (The fused kernels give no gradient for their log-sum-exp; under autograd the far band is plain maths.)"""
+    model = build_model(tiny_llama_config())
+    ids = torch.randint(3, 120, (1, 150), generator=torch.Generator().manual_seed(10))
+    position_ids, mask = pose_positions(150), torch.ones_like(ids)
+    weights = torch.randn(1, 150, 128, generator=torch.Generator().manual_seed(11))
+    name, params = "self_extend", METHODS["self_extend"]
+
+    def gradients(logits):
+        model.zero_grad()
+        (logits * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    expected = gradients(reference_logits(model, ids, name, params, position_ids, mask, grad=True))
+    with rope_patch.patched(model, name, **params):
+        actual = gradients(model(ids, position_ids=position_ids, attention_mask=mask).logits)
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        assert torch.allclose(actual[key], expected[key], atol=1e-4, rtol=1e-4), (key, (actual[key] - expected[key]).abs().max())
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere2"])
+def test_sliding_window_layers_in_a_padded_batch_match_each_unpadded_row(family):
+    """Sliding-window layers, a left-padded row and a full one: each row equals its own run (mask built tile by tile)."""
+    model = family_model(family)
+    ids = torch.randint(3, 120, (1, 80), generator=torch.Generator().manual_seed(12))
+    padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), ids[:, :74]], 1)
+    mask = torch.cat([torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 74, dtype=torch.long)], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for name, params in METHODS.items():
+        expected = reference_logits(model, ids, name, params)
+        with rope_patch.patched(model, name, **params), torch.no_grad():
+            batch = model(torch.cat([padded, ids]), attention_mask=torch.cat([mask, torch.ones_like(mask)]),
+                          position_ids=torch.cat([positions, torch.arange(80)[None]])).logits
+        assert torch.allclose(batch[1], expected[0], atol=1e-5, rtol=0), name
+        assert torch.allclose(batch[0, 6:], expected[0, :74], atol=1e-5, rtol=0), name
+
+
+def test_the_tiled_mask_equals_transformers_mask_tile_by_tile():
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from rope_patch.patching.attention import TiledMask, tiled_mask
+
+    padding = torch.ones(2, 70, dtype=torch.bool)
+    padding[0, :9] = False
+    kwargs = dict(batch_size=2, q_length=30, kv_length=70, q_offset=40, kv_offset=0,
+                  mask_function=sliding_window_causal_mask_function(16), attention_mask=padding, local_size=16)
+    full = sdpa_mask(**kwargs)
+    lazy = tiled_mask(**kwargs)
+    assert isinstance(lazy, TiledMask)
+    for start, end in [(0, 7), (7, 30)]:
+        assert torch.equal(lazy.tile(start, end, 40 + end), full[:, :, start:end, :40 + end])
+    assert tiled_mask(batch_size=1, q_length=30, kv_length=30) is None  # plainly causal: no mask at all
+
+
+def test_a_static_cache_or_a_cache_filled_before_patching_is_refused():
+    model = build_model(tiny_llama_config())
+    prompt = torch.randint(3, 120, (1, 12), generator=torch.Generator().manual_seed(13))
+    with rope_patch.patched(model, "rerope", window=8), torch.no_grad():
+        with pytest.raises(UnsupportedModelError, match="StaticLayer KV cache .* dynamic cache"):
+            model.generate(prompt, max_new_tokens=3, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        past = model(prompt, use_cache=True).past_key_values
+        with rope_patch.patched(model, "rerope", window=8):
+            with pytest.raises(UnsupportedModelError, match="positions rope_patch did not record"):
+                model(prompt[:, :1], past_key_values=past)
+
+
+def test_a_model_whose_layers_rotate_otherwise_is_refused_by_name(monkeypatch):
+    """A layer that moves q with position in a way that is neither RoPE layout (here: a scale) is refused, untouched."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = build_model(tiny_llama_config())
+    original = llama.apply_rotary_pos_emb
+
+    def rotate_and_scale(q, k, cos, sin, unsqueeze_dim=1):
+        scale = 1 + sin[..., :1].unsqueeze(unsqueeze_dim)  # [b, 1, n, 1]: 1 at position 0, else not
+        return tuple(x * scale for x in original(q, k, cos, sin, unsqueeze_dim))
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", rotate_and_scale)
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM \(llama\): layer 0 .* use a frequency method"):
+        rope_patch.patch(model, "rerope", window=8)
+    assert rope_patch.current_patch(model) is None and model.config._attn_implementation == "eager"
+
+
+def test_an_attention_method_needs_a_window_and_inspect_reads_any_registered_one(tiny_folder):
+    from rope_patch.jobs.inspect import run_inspect
+    from rope_patch.methods import METHODS, Method, Param, register_method
+
+    def halved(window):  # relative position d/2 beyond W... continued from W: W + (d − W)/2
+        return (lambda i: i / 2 + window / 2, lambda j: j / 2)
+
+    with pytest.raises(InvalidParameterError, match="needs a 'window' parameter"):
+        register_method(Method("test_no_window", lambda: None, "test", "-", {}, kind="attention"))
+    register_method(Method("test_halved", halved, "test", "W + (d − W)/2", {"window": Param("int", "W", default=8)},
+                           kind="attention"))
+    try:
+        result = run_inspect(model=str(tiny_folder[0]), method="test_halved:window=8")
+        seen = {row["distance"]: row["relative_position"] for row in result.positions}
+        assert seen[4] == 4 and seen[8] == 8 and seen[16] == 12
+    finally:
+        METHODS.pop("test_halved")
+    assert "test_no_window" not in METHODS
+
+
+@pytest.mark.parametrize("family, pairing", [
+    ("llama", "half-split (j with j + d/2, rotate_half)"),
+    ("glm", "interleaved (2j with 2j+1)"),
+    ("smollm3", "half-split (j with j + d/2, rotate_half); layers [1] without RoPE (NoPE)"),
+    ("llama4_text", "interleaved (2j with 2j+1); layers [1] without RoPE (NoPE)"),
+])
+def test_inspect_reports_the_measured_pairing_and_the_layers_without_rope(family, pairing):
+    from rope_patch.rotary_info import describe_rotary
+
+    assert describe_rotary(family_model(family)).pairing == pairing
