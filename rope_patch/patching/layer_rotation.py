@@ -58,6 +58,9 @@ def layer_inv_freq(rotary: nn.Module, layer_types: list[str] | None, layer_idx: 
 
 def _capture(module, query, key, value, attention_mask, **kwargs):
     """The probe's attention function: record q and k; with one token the output is the value itself."""
+    if kwargs.get("s_aux") is not None:  # attention sinks: an extra logit per head the two bands have no place for
+        raise UnsupportedModelError(f"{type(module).__name__} uses attention sinks, which the attention-level methods "
+                                    "do not support; use a frequency method")
     _captured[module.layer_idx] = (query.detach().float(), key.detach().float())
     heads = query.shape[1]
     value = value.repeat_interleave(heads // value.shape[1], dim=1)

@@ -311,25 +311,29 @@ def test_pose_skips_and_packed_sequences_match_the_reference(family):
 
 
 def test_fine_tuning_gradients_under_pose_match_the_reference():
-    """Training through an attention method (rope-patch finetune --pose-target-len): the gradients are the oracle's.
-    (The fused kernels give no gradient for their log-sum-exp; under autograd the far band is plain maths.)"""
+    """rope-patch finetune --pose-target-len with an attention method: the loss the training loop computes, and its
+    gradients, are the oracle's. (The fused kernels give no gradient for their log-sum-exp; under autograd the far
+    band is plain maths.)"""
+    from rope_patch.train.loop import micro_batch_loss
+
     model = build_model(tiny_llama_config())
     ids = torch.randint(3, 120, (1, 150), generator=torch.Generator().manual_seed(10))
-    position_ids, mask = pose_positions(150), torch.ones_like(ids)
-    weights = torch.randn(1, 150, 128, generator=torch.Generator().manual_seed(11))
+    position_ids = pose_positions(150)
     name, params = "self_extend", METHODS["self_extend"]
 
-    def gradients(logits):
+    def gradients(loss):
         model.zero_grad()
-        (logits * weights).sum().backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    expected = gradients(reference_logits(model, ids, name, params, position_ids, mask, grad=True))
+    logits = reference_logits(model, ids, name, params, position_ids, torch.ones_like(ids), grad=True)
+    expected_loss, expected = gradients(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]))
     with rope_patch.patched(model, name, **params):
-        actual = gradients(model(ids, position_ids=position_ids, attention_mask=mask).logits)
+        actual_loss, actual = gradients(micro_batch_loss(model, ids, position_ids=position_ids))
+    assert actual_loss == pytest.approx(expected_loss, abs=1e-5)
     assert expected.keys() == actual.keys()
     for key in expected:
-        assert torch.allclose(actual[key], expected[key], atol=1e-4, rtol=1e-4), (key, (actual[key] - expected[key]).abs().max())
+        assert torch.allclose(actual[key], expected[key], atol=1e-5, rtol=1e-4), (key, (actual[key] - expected[key]).abs().max())
 
 
 @pytest.mark.parametrize("family", ["gemma2", "cohere2"])
@@ -426,3 +430,17 @@ def test_inspect_reports_the_measured_pairing_and_the_layers_without_rope(family
     from rope_patch.rotary_info import describe_rotary
 
     assert describe_rotary(family_model(family)).pairing == pairing
+
+
+def test_attention_sinks_are_refused_when_patching():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gpt_oss", vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                  num_experts_per_tok=1, max_position_embeddings=64, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = build_model(config)
+    with pytest.raises(UnsupportedModelError, match="GptOssAttention uses attention sinks.*use a frequency method"):
+        rope_patch.patch(model, "rerope", window=8)
+    assert rope_patch.current_patch(model) is None and model.config._attn_implementation == "eager"
