@@ -1,11 +1,12 @@
-"""Attention-level methods on tiny models of every family: exact against a hand-written two-band attention, equal to
-the unpatched model where they should be, cache-correct in generation, reversible, and one clear error for bad input.
+"""Attention-level methods on tiny models of every family: exact against a two-band attention built from each
+family's own rotation, equal to the unpatched model where they should be, cache-correct in generation, exact under
+PoSE ids, packed sequences and padding, reversible, and one clear error for bad input or a model they cannot compute.
 
-The oracle below is plain PyTorch written from the papers' formulas: it undoes the model's rotation of q and k, rotates
-them again at the remapped positions, builds both L × L score bands in full and picks one per pair by distance. It
-shares no code with rope_patch.patching.attention (it takes positions from arange, not from the cache or position
-hooks, and its position maps are written out here).
-"""
+The oracle below takes the unrotated q and k from the family's own ``apply_rotary_pos_emb`` (or Llama 4's
+``apply_rotary_emb``), rotates them at the remapped positions with that same function and the family's rotary module,
+builds both L × L score bands in full and picks one per pair by distance; a layer that never calls the rotation (NoPE)
+attends without positions. It shares no code with rope_patch (it takes positions from the test, not from the cache or
+position hooks, and its position maps are written out here)."""
 
 from __future__ import annotations
 
@@ -444,3 +445,20 @@ def test_attention_sinks_are_refused_when_patching():
     with pytest.raises(UnsupportedModelError, match="GptOssAttention uses attention sinks.*use a frequency method"):
         rope_patch.patch(model, "rerope", window=8)
     assert rope_patch.current_patch(model) is None and model.config._attn_implementation == "eager"
+
+
+def test_left_padded_batch_generation_equals_full_recomputation():
+    """Each row's keys sit at its own positions in the cache: a left-padded row generates as a full forward scores."""
+    model = build_model(tiny_llama_config())
+    prompts = torch.randint(3, 120, (2, 14), generator=torch.Generator().manual_seed(14))
+    mask = torch.ones_like(prompts)
+    mask[0, :5] = 0
+    params = dict(METHODS["self_extend"], window=16)
+    with rope_patch.patched(model, "self_extend", **params), torch.no_grad():
+        out = model.generate(prompts, attention_mask=mask, max_new_tokens=25, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full_mask = torch.cat([mask, torch.ones(2, 25, dtype=torch.long)], 1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        full = model(out.sequences, attention_mask=full_mask, position_ids=positions).logits
+    for step, logits in enumerate(out.logits):
+        assert torch.allclose(logits, full[:, 13 + step], atol=1e-4, rtol=0), step
