@@ -315,7 +315,8 @@ def plain_attention(query, key, value, mask, scaling: float, softcap: float | No
 
 def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | TiledMask | None, scaling: float | None = None,
-                         dropout: float = 0.0, softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                         dropout: float = 0.0, softcap: float | None = None,
+                         **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The function transformers calls in place of eager/sdpa/flash attention on a model patched with an attention
     method. query [b, h, q, dim], key/value [b, kv_heads, k, dim], rotated at their absolute positions."""
     setup: AttentionSetup = module.__dict__[SETUP_ATTR]
@@ -328,8 +329,8 @@ def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     k_pos = key_positions(module, q_pos.to(query.device), keys)
     layout = setup.layouts.get(module.layer_idx)
     if layout is None:
-        raise UnsupportedModelError(f"layer {module.layer_idx}: its rotation was not measured when the attention method "
-                                    "was installed (the model had no weights then); patch the loaded model again")
+        raise UnsupportedModelError(f"layer {module.layer_idx}: its rotation was not measured when the attention "
+                                    "method was installed (the model had no weights then); patch the loaded model again")
     if layout == "none":  # a NoPE layer: the family attends without positions, and so do we
         key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
         return plain_attention(query, key, value, attention_mask, scale, softcap), None

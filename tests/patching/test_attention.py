@@ -334,12 +334,14 @@ def test_fine_tuning_gradients_under_pose_match_the_reference():
     assert actual_loss == pytest.approx(expected_loss, abs=1e-5)
     assert expected.keys() == actual.keys()
     for key in expected:
-        assert torch.allclose(actual[key], expected[key], atol=1e-5, rtol=1e-4), (key, (actual[key] - expected[key]).abs().max())
+        difference = (actual[key] - expected[key]).abs().max()
+        assert torch.allclose(actual[key], expected[key], atol=1e-5, rtol=1e-4), (key, difference)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "cohere2"])
 def test_sliding_window_layers_in_a_padded_batch_match_each_unpadded_row(family):
-    """Sliding-window layers, a left-padded row and a full one: each row equals its own run (mask built tile by tile)."""
+    """Sliding-window layers, a left-padded row and a full one: each row equals its own run (the mask built tile by
+    tile)."""
     model = family_model(family)
     ids = torch.randint(3, 120, (1, 80), generator=torch.Generator().manual_seed(12))
     padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), ids[:, :74]], 1)
