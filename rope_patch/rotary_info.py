@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .errors import UnsupportedModelError
 from .methods import RopeBase, compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
 from .methods.attention import far_relative_position
-from .patching import current_patch, native_length_source, primary_rotary, rotary_setup, saved_patch
+from .patching import (current_patch, measure_layouts, native_length_source, primary_rotary, rotary_setup,
+                       saved_patch)
 
 
 @dataclass
@@ -35,17 +37,27 @@ class RotaryInfo:
     native_source: str = ""  # where the native length was read (a config key, a rope_patch record, given)
 
 
+PAIRINGS = {"half": "half-split (j with j + d/2, rotate_half)", "interleaved": "interleaved (2j with 2j+1)"}
+
+
 def pairing_convention(model: nn.Module) -> str:
-    """Half-split (dimension j with j + d/2, ``rotate_half``) or interleaved (2j with 2j+1), read off the model's code."""
-    module = sys.modules.get(type(model).__module__)
-    rotate = getattr(module, "rotate_half", None)
+    """Half-split (dimension j with j + d/2, ``rotate_half``) or interleaved (2j with 2j+1), and the layers without
+    RoPE: measured on the model by the probe the attention-level methods use (one token at a few positions); read off
+    the family's ``rotate_half`` for a model loaded without weights."""
+    if any(p.is_meta for p in model.parameters()):
+        rotate = getattr(sys.modules.get(type(model).__module__), "rotate_half", None)
+        try:
+            source = pyinspect.getsource(rotate) if rotate else ""
+        except (OSError, TypeError):
+            source = ""
+        return PAIRINGS["interleaved" if "::2" in source else "half"] + " (read off the code, not measured)"
     try:
-        source = pyinspect.getsource(rotate) if rotate else ""
-    except (OSError, TypeError):
-        source = ""
-    if "::2" in source:
-        return "interleaved (2j with 2j+1)"
-    return "half-split (j with j + d/2, rotate_half)"
+        layouts = measure_layouts(model)
+    except UnsupportedModelError:
+        return "neither half-split nor interleaved on some layer (attention-level methods refused)"
+    text = " and ".join(PAIRINGS[v] for v in sorted(set(layouts.values()) - {"none"})) or "none"
+    unrotated = sorted(layer for layer, layout in layouts.items() if layout == "none")
+    return text + (f"; layers {unrotated} without RoPE (NoPE)" if unrotated else "")
 
 
 def describe_rotary(model: nn.Module) -> RotaryInfo:

@@ -45,6 +45,14 @@ FAMILY_EXTRAS = {
     "starcoder2": {"sliding_window": None},
     "gpt_neox": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
     "phi": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    # interleaved pairs (2j with 2j+1)
+    "cohere": {},
+    "glm": {"partial_rotary_factor": 0.5},
+    "glm4": {},
+    # layers without RoPE: SmolLM3's no_rope_layers, Cohere 2's global layers, Llama 4's NoPE layers (interleaved)
+    "smollm3": {"no_rope_layers": [1, 0]},
+    "cohere2": {"sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]},
+    "llama4_text": {"no_rope_layers": [1, 0], "intermediate_size_mlp": 128, "num_local_experts": 2},
 }
 FAMILIES = list(FAMILY_EXTRAS)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidParameterError
-from .registry import Method, Param, RopeBase, register_method
+from .registry import Method, Param, RopeBase, get_method, register_method
 
 PositionMap = Callable[[torch.Tensor], torch.Tensor]  # absolute positions (any shape, fp32) -> far-band positions
 
@@ -46,15 +46,12 @@ def leaky_rerope_positions(window: int, factor: float) -> tuple[PositionMap, Pos
 
 def far_relative_position(name: str, params: dict[str, Any], distance: torch.Tensor,
                           query: torch.Tensor | None = None) -> torch.Tensor:
-    """The relative position a pair at ``distance`` sees (closed forms, for tests and ``inspect``); Self-Extend depends
-    on the query's absolute position too (grouping floors both sides), given by ``query``."""
-    window = params["window"]
-    if name == "rerope":
-        return torch.clamp(distance, max=window)
-    if name == "leaky_rerope":
-        return torch.where(distance < window, distance, window + (distance - window) / params["factor"])
-    far_q, far_k = self_extend_positions(window, params["group"])
-    return torch.where(distance < window, distance, far_q(query) - far_k(query - distance))
+    """The relative position a pair at ``distance`` sees under the registered attention method ``name`` (built in or a
+    user's), from its own position maps: d within the window, far_q(i) − far_k(i − d) beyond. Self-Extend depends on
+    the query's absolute position i too (grouping floors both sides): ``query``, by default the distance (key at 0)."""
+    query = distance if query is None else query
+    far_q, far_k = get_method(name).compute(**params)
+    return torch.where(distance < params["window"], distance, far_q(query) - far_k(query - distance))
 
 
 # ---------------------------------------------------------------------------------------------------------------

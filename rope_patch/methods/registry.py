@@ -71,6 +71,9 @@ def register_method(method: Method, *, overwrite: bool = False) -> Method:
     """Add a method to the registry (``patch(model, method.name, ...)`` then works with it)."""
     if method.name in METHODS and not overwrite:
         raise InvalidParameterError(f"a method named {method.name!r} is registered already; pass overwrite=True to replace it")
+    if method.kind == "attention" and "window" not in method.params:
+        raise InvalidParameterError(f"attention method {method.name!r} needs a 'window' parameter: the width W of the "
+                                    "near band, where pairs keep their trained positions")
     METHODS[method.name] = method
     return method
 

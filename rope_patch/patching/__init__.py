@@ -1,8 +1,8 @@
 """Surgery on a loaded transformers model: the one place that knows transformers' internals.
 
 :mod:`.rotary` finds rotary modules and swaps their frequencies, :mod:`.record` keeps the config true and remembers
-the unscaled RoPE, :mod:`.generation` holds one length for each ``generate`` call, :mod:`.core` holds the public
-verbs.
+the unscaled RoPE, :mod:`.generation` holds one length for each ``generate`` call, :mod:`.attention` runs the attention-level methods
+(each layer's rotation measured by :mod:`.layer_rotation`), :mod:`.core` holds the public verbs.
 """
 
 from .core import (
@@ -20,11 +20,12 @@ from .core import (
     set_native_length,
     unpatch,
 )
+from .attention import measure_layouts
 from .record import CONFIG_KEY, saved_patch
 from .rotary import find_rotary_modules, inv_freq_buffer, rotary_dim
 
 __all__ = [
     "CONFIG_KEY", "PatchReport", "current_patch", "find_rotary_modules", "fixed_length", "inv_freq_buffer",
-    "native_length", "native_length_source", "patch", "patch_state", "patched", "primary_rotary",
+    "measure_layouts", "native_length", "native_length_source", "patch", "patch_state", "patched", "primary_rotary",
     "restore_saved_patch", "rotary_dim", "rotary_setup", "saved_patch", "set_native_length", "unpatch",
 ]

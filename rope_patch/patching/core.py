@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import InvalidParameterError, RopePatchError
 from ..methods import compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
-from .attention import AttentionSetup, install_attention, remove_attention
+from .attention import AttentionSetup, install_attention, measure_layouts, remove_attention
 from .generation import install_generate
 from .record import (
     ConfigSnapshot,
@@ -221,6 +221,7 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     _, first_module, first_type = primary_rotary(model)
     primary = plan[0].base if plan else rotary_setup(model, first_module, first_type, native_length)
     attention_params = resolve_params(attention[0], primary, attention[1]) if attention else None
+    layouts = measure_layouts(model) if attention else None  # refuses a model the methods cannot compute exactly
     native = _resolve_native(model, first_module, first_type, native_length)
     given = _given_native_length(model, native_length)
     if given is None and native[1].startswith("rope_patch record"):
@@ -234,7 +235,8 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     state.length_dependent = frequency is not None and get_method(frequency[0]).length_dependent
     report, spelt = _patch_frequencies(model, state, modules, *frequency, replaced) if frequency else (None, False)
     if attention is not None:
-        state.attention = install_attention(model, attention[0], attention_params, method_label(*attention))
+        state.attention = install_attention(model, attention[0], attention_params, method_label(*attention),
+                                             layouts)
         report = _attention_report(model, report, primary, attention[0], attention_params)
     report.label, report.native_source = state.label, native[1]
     state.context_length = report.context_length

@@ -1,15 +1,17 @@
-"""Attention-level methods on tiny models of every family: exact against a hand-written two-band attention, equal to
-the unpatched model where they should be, cache-correct in generation, reversible, and one clear error for bad input.
+"""Attention-level methods on tiny models of every family: exact against a two-band attention built from each
+family's own rotation, equal to the unpatched model where they should be, cache-correct in generation, exact under
+PoSE ids, packed sequences and padding, reversible, and one clear error for bad input or a model they cannot compute.
 
-The oracle below is plain PyTorch written from the papers' formulas: it undoes the model's rotation of q and k, rotates
-them again at the remapped positions, builds both L × L score bands in full and picks one per pair by distance. It
-shares no code with rope_patch.patching.attention (it takes positions from arange, not from the cache or position
-hooks, and its position maps are written out here).
-"""
+The oracle below takes the unrotated q and k from the family's own ``apply_rotary_pos_emb`` (or Llama 4's
+``apply_rotary_emb``), rotates them at the remapped positions with that same function and the family's rotary module,
+builds both L × L score bands in full and picks one per pair by distance; a layer that never calls the rotation (NoPE)
+attends without positions. It shares no code with rope_patch (it takes positions from the test, not from the cache or
+position hooks, and its position maps are written out here)."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import rope_patch
-from rope_patch.errors import InvalidParameterError
+from rope_patch.errors import InvalidParameterError, UnsupportedModelError
 
 REFERENCE = "rope_patch_test_reference"
 METHODS = {
@@ -40,44 +42,67 @@ def far_positions(name: str, params: dict, i: torch.Tensor, j: torch.Tensor) -> 
     return i / k + w - w / k, j / k
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [b, h, n, d] at ``positions`` [n] on the first 2·len(inv_freq) dims."""
-    r = 2 * inv_freq.numel()
-    angle = positions[:, None].double() * inv_freq.double()  # [n, r/2]
-    cos, sin = torch.cat([angle.cos()] * 2, -1).float(), torch.cat([angle.sin()] * 2, -1).float()
-    x_rot, rest = x[..., :r], x[..., r:]
-    half = torch.cat([-x_rot[..., r // 2:], x_rot[..., : r // 2]], -1)
-    return torch.cat([x_rot * cos + half * sin, rest], -1)
+ROTATION_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")  # what each family's attention module calls
 
 
 class Reference:
-    """The oracle attention, installed through transformers' interface under its own name."""
+    """The oracle attention, installed through transformers' interface under its own name.
+
+    It rotates with the family's own code: its rotation function, wrapped while the oracle runs, hands over the
+    unrotated q and k of the layer about to attend (a layer that never calls it, NoPE, attends without positions), and
+    the far band calls that same function with the family's own rotary module evaluated at the remapped positions.
+    Positions come from the test (``position_ids``, else arange), never from the cache or rope_patch's hooks."""
 
     method: tuple[str, dict] | None = None
     model = None
+    positions: torch.Tensor | None = None  # [b, n] of the whole forward
+    captured: tuple | None = None  # (rotation function, q, k) handed to the family's rotation in the current layer
+
+    @staticmethod
+    def wrap(function):
+        def capturing(q, k, *args, **kwargs):
+            Reference.captured = (function, q, k)
+            return function(q, k, *args, **kwargs)
+        return capturing
+
+    @staticmethod
+    def far_rotation(module, function, raw, positions, near):
+        """The family's rotation of the unrotated ``raw`` at ``positions`` [b, n], laid out as ``near`` [b, h, n, d]."""
+        rotary = next(m for m in Reference.model.modules() if any(b.endswith("inv_freq") for b in m._buffers))
+        layer_types = getattr(rotary.config, "layer_types", None)
+        extra = () if "inv_freq" in rotary._buffers else (layer_types[module.layer_idx],)
+        embedding = rotary(near, positions, *extra)
+        rotated = function(raw, raw, *(embedding if isinstance(embedding, tuple) else (embedding,)))[0]
+        if rotated.shape[1] != near.shape[1]:  # rotated as [b, n, h, d] (Llama 4)
+            rotated = rotated.transpose(1, 2)
+        if rotated.shape[-1] < near.shape[-1]:  # partial RoPE rotated apart from the rest (Phi)
+            rotated = torch.cat([rotated, near[..., rotated.shape[-1]:]], -1)
+        # a per-vector normalisation after the rotation (Llama 4's qk-norm) scales both bands alike
+        return rotated * (near.norm(dim=-1, keepdim=True) / rotated.norm(dim=-1, keepdim=True))
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
         name, params = Reference.method
-        rotary = next(m for m in Reference.model.modules() if any(b.endswith("inv_freq") for b in m._buffers))
-        layer_types = getattr(rotary.config, "layer_types", None)
-        buffer = "inv_freq" if "inv_freq" in rotary._buffers else f"{layer_types[module.layer_idx]}_inv_freq"
-        inv_freq = rotary._buffers[buffer].float()
+        captured, Reference.captured = Reference.captured, None
         n = query.shape[2]
-        i = torch.arange(n, dtype=torch.float32)
-        fq, fk = far_positions(name, params, i, i)
-        q_far = rotate(rotate(query, -i, inv_freq), fq, inv_freq)
-        k_far = rotate(rotate(key, -i, inv_freq), fk, inv_freq)
-        groups = query.shape[1] // key.shape[1]
-        key, k_far, value = (x.repeat_interleave(groups, 1) for x in (key, k_far, value))
-        near = query @ key.transpose(-1, -2)
-        far = q_far @ k_far.transpose(-1, -2)
-        d = i[:, None] - i[None, :]
-        scores = torch.where(d < params["window"], near, far) * (scaling or query.shape[-1] ** -0.5)
+        i = Reference.positions.float()[:, -n:]  # [b, n]
+        near = query @ key.repeat_interleave(query.shape[1] // key.shape[1], 1).transpose(-1, -2)
+        if captured is None:  # the family did not rotate this layer
+            scores = near
+        else:
+            function, q_raw, k_raw = captured
+            fq, fk = far_positions(name, params, i, i)
+            q_far = Reference.far_rotation(module, function, q_raw, fq, query)
+            k_far = Reference.far_rotation(module, function, k_raw, fk, key)
+            far = q_far @ k_far.repeat_interleave(query.shape[1] // key.shape[1], 1).transpose(-1, -2)
+            d = (i[:, :, None] - i[:, None, :])[:, None]
+            scores = torch.where(d < params["window"], near, far)
+        scores = scores * (scaling or query.shape[-1] ** -0.5)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        allowed = d >= 0 if attention_mask is None else attention_mask
+        allowed = torch.ones(n, n, dtype=torch.bool).tril() if attention_mask is None else attention_mask
         scores = scores.masked_fill(~allowed, float("-inf"))
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], 1)
         return (torch.softmax(scores, -1) @ value).transpose(1, 2), None
 
 
@@ -85,14 +110,24 @@ AttentionInterface.register(REFERENCE, Reference.attention)
 AttentionMaskInterface.register(REFERENCE, sdpa_mask)
 
 
-def reference_logits(model, ids: torch.Tensor, name: str, params: dict) -> torch.Tensor:
+def reference_logits(model, ids: torch.Tensor, name: str, params: dict, position_ids: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None, grad: bool = False) -> torch.Tensor:
     previous = model.config._attn_implementation
     Reference.method, Reference.model = (name, params), model
+    Reference.positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1) if position_ids is None \
+        else position_ids.expand(ids.shape[0], -1)
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("Attention")}
+    wrapped = [(module, fn, getattr(module, fn)) for module in modules for fn in ROTATION_FUNCTIONS
+               if hasattr(module, fn)]
     model.config._attn_implementation = REFERENCE
     try:
-        with torch.no_grad():
-            return model(ids).logits
+        for module, fn, original in wrapped:
+            setattr(module, fn, Reference.wrap(original))
+        with torch.set_grad_enabled(grad):
+            return model(ids, position_ids=position_ids, attention_mask=attention_mask).logits
     finally:
+        for module, fn, original in wrapped:
+            setattr(module, fn, original)
         model.config._attn_implementation = previous
 
 
@@ -159,7 +194,7 @@ def test_tiles_and_padding_mask(monkeypatch):
     assert torch.allclose(batch[1, :90], expected[0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "cohere2", "glm"])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_cached_generation_equals_full_recomputation_past_the_window(family, name):
     """Prompt shorter than W, generation longer: every step's logits equal a full forward over the same tokens."""
@@ -247,3 +282,185 @@ def test_the_cuda_path_matches_the_reference(name, dtype, tolerance):
     with rope_patch.patched(model, name, **METHODS[name]), torch.no_grad():
         actual = model(ids.cuda()).logits.float().cpu()
     assert (actual - expected).abs().max() < tolerance
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Positions where they are given: PoSE skips, packed sequences, padded batches; caches that hold keys by slot.
+
+
+def pose_positions(length: int) -> torch.Tensor:
+    """PoSE-style ids [1, length]: two chunks, the second skipped far ahead (and past the window)."""
+    from rope_patch.data.pose import pose_position_ids
+
+    return torch.from_numpy(pose_position_ids(length, 400, chunks=2, seed=3))[None]
+
+
+@pytest.mark.parametrize("family", ["llama", "glm", "smollm3"])
+def test_pose_skips_and_packed_sequences_match_the_reference(family):
+    """Keys sit at the positions given, not at "newest query − distance": PoSE's skipped ids with the all-ones mask
+    fine-tuning passes (the fused path), and packed sequences whose ids restart (transformers' block mask)."""
+    model = family_model(family)
+    ids = torch.randint(3, 120, (1, 90), generator=torch.Generator().manual_seed(9))
+    pose, ones = pose_positions(90), torch.ones_like(ids)
+    packed = torch.cat([torch.arange(50), torch.arange(40)])[None]
+    for name, params in METHODS.items():
+        for position_ids, mask in [(pose, ones), (packed, None)]:
+            expected = reference_logits(model, ids, name, params, position_ids, mask)
+            with rope_patch.patched(model, name, **params), torch.no_grad():
+                actual = model(ids, position_ids=position_ids, attention_mask=mask).logits
+            assert torch.allclose(actual, expected, atol=1e-5, rtol=0), (name, (actual - expected).abs().max())
+
+
+def test_fine_tuning_gradients_under_pose_match_the_reference():
+    """rope-patch finetune --pose-target-len with an attention method: the loss the training loop computes, and its
+    gradients, are the oracle's. (The fused kernels give no gradient for their log-sum-exp; under autograd the far
+    band is plain maths.)"""
+    from rope_patch.train.loop import micro_batch_loss
+
+    model = build_model(tiny_llama_config())
+    ids = torch.randint(3, 120, (1, 150), generator=torch.Generator().manual_seed(10))
+    position_ids = pose_positions(150)
+    name, params = "self_extend", METHODS["self_extend"]
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    logits = reference_logits(model, ids, name, params, position_ids, torch.ones_like(ids), grad=True)
+    expected_loss, expected = gradients(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]))
+    with rope_patch.patched(model, name, **params):
+        actual_loss, actual = gradients(micro_batch_loss(model, ids, position_ids=position_ids))
+    assert actual_loss == pytest.approx(expected_loss, abs=1e-5)
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        difference = (actual[key] - expected[key]).abs().max()
+        assert torch.allclose(actual[key], expected[key], atol=1e-5, rtol=1e-4), (key, difference)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere2"])
+def test_sliding_window_layers_in_a_padded_batch_match_each_unpadded_row(family):
+    """Sliding-window layers, a left-padded row and a full one: each row equals its own run (the mask built tile by
+    tile)."""
+    model = family_model(family)
+    ids = torch.randint(3, 120, (1, 80), generator=torch.Generator().manual_seed(12))
+    padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), ids[:, :74]], 1)
+    mask = torch.cat([torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 74, dtype=torch.long)], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for name, params in METHODS.items():
+        expected = reference_logits(model, ids, name, params)
+        with rope_patch.patched(model, name, **params), torch.no_grad():
+            batch = model(torch.cat([padded, ids]), attention_mask=torch.cat([mask, torch.ones_like(mask)]),
+                          position_ids=torch.cat([positions, torch.arange(80)[None]])).logits
+        assert torch.allclose(batch[1], expected[0], atol=1e-5, rtol=0), name
+        assert torch.allclose(batch[0, 6:], expected[0, :74], atol=1e-5, rtol=0), name
+
+
+def test_the_tiled_mask_equals_transformers_mask_tile_by_tile():
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from rope_patch.patching.attention import TiledMask, tiled_mask
+
+    padding = torch.ones(2, 70, dtype=torch.bool)
+    padding[0, :9] = False
+    kwargs = dict(batch_size=2, q_length=30, kv_length=70, q_offset=40, kv_offset=0,
+                  mask_function=sliding_window_causal_mask_function(16), attention_mask=padding, local_size=16)
+    full = sdpa_mask(**kwargs)
+    lazy = tiled_mask(**kwargs)
+    assert isinstance(lazy, TiledMask)
+    for start, end in [(0, 7), (7, 30)]:
+        assert torch.equal(lazy.tile(start, end, 40 + end), full[:, :, start:end, :40 + end])
+    assert tiled_mask(batch_size=1, q_length=30, kv_length=30) is None  # plainly causal: no mask at all
+
+
+def test_a_static_cache_or_a_cache_filled_before_patching_is_refused():
+    model = build_model(tiny_llama_config())
+    prompt = torch.randint(3, 120, (1, 12), generator=torch.Generator().manual_seed(13))
+    with rope_patch.patched(model, "rerope", window=8), torch.no_grad():
+        with pytest.raises(UnsupportedModelError, match="StaticLayer KV cache .* dynamic cache"):
+            model.generate(prompt, max_new_tokens=3, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        past = model(prompt, use_cache=True).past_key_values
+        with rope_patch.patched(model, "rerope", window=8):
+            with pytest.raises(UnsupportedModelError, match="positions rope_patch did not record"):
+                model(prompt[:, :1], past_key_values=past)
+
+
+def test_a_model_whose_layers_rotate_otherwise_is_refused_by_name(monkeypatch):
+    """A layer that moves q with position in a way that is neither RoPE layout (here: a scale) is refused, untouched."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = build_model(tiny_llama_config())
+    original = llama.apply_rotary_pos_emb
+
+    def rotate_and_scale(q, k, cos, sin, unsqueeze_dim=1):
+        scale = 1 + sin[..., :1].unsqueeze(unsqueeze_dim)  # [b, 1, n, 1]: 1 at position 0, else not
+        return tuple(x * scale for x in original(q, k, cos, sin, unsqueeze_dim))
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", rotate_and_scale)
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM \(llama\): layer 0 .* use a frequency method"):
+        rope_patch.patch(model, "rerope", window=8)
+    assert rope_patch.current_patch(model) is None and model.config._attn_implementation == "eager"
+
+
+def test_an_attention_method_needs_a_window_and_inspect_reads_any_registered_one(tiny_folder):
+    from rope_patch.jobs.inspect import run_inspect
+    from rope_patch.methods import METHODS, Method, Param, register_method
+
+    def halved(window):  # relative position d/2 beyond W... continued from W: W + (d − W)/2
+        return (lambda i: i / 2 + window / 2, lambda j: j / 2)
+
+    with pytest.raises(InvalidParameterError, match="needs a 'window' parameter"):
+        register_method(Method("test_no_window", lambda: None, "test", "-", {}, kind="attention"))
+    register_method(Method("test_halved", halved, "test", "W + (d − W)/2", {"window": Param("int", "W", default=8)},
+                           kind="attention"))
+    try:
+        result = run_inspect(model=str(tiny_folder[0]), method="test_halved:window=8")
+        seen = {row["distance"]: row["relative_position"] for row in result.positions}
+        assert seen[4] == 4 and seen[8] == 8 and seen[16] == 12
+    finally:
+        METHODS.pop("test_halved")
+    assert "test_no_window" not in METHODS
+
+
+@pytest.mark.parametrize("family, pairing", [
+    ("llama", "half-split (j with j + d/2, rotate_half)"),
+    ("glm", "interleaved (2j with 2j+1)"),
+    ("smollm3", "half-split (j with j + d/2, rotate_half); layers [1] without RoPE (NoPE)"),
+    ("llama4_text", "interleaved (2j with 2j+1); layers [1] without RoPE (NoPE)"),
+])
+def test_inspect_reports_the_measured_pairing_and_the_layers_without_rope(family, pairing):
+    from rope_patch.rotary_info import describe_rotary
+
+    assert describe_rotary(family_model(family)).pairing == pairing
+
+
+def test_attention_sinks_are_refused_when_patching():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gpt_oss", vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                  num_experts_per_tok=1, max_position_embeddings=64, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = build_model(config)
+    with pytest.raises(UnsupportedModelError, match="GptOssAttention uses attention sinks.*use a frequency method"):
+        rope_patch.patch(model, "rerope", window=8)
+    assert rope_patch.current_patch(model) is None and model.config._attn_implementation == "eager"
+
+
+def test_left_padded_batch_generation_equals_full_recomputation():
+    """Each row's keys sit at its own positions in the cache: a left-padded row generates as a full forward scores."""
+    model = build_model(tiny_llama_config())
+    prompts = torch.randint(3, 120, (2, 14), generator=torch.Generator().manual_seed(14))
+    mask = torch.ones_like(prompts)
+    mask[0, :5] = 0
+    params = dict(METHODS["self_extend"], window=16)
+    with rope_patch.patched(model, "self_extend", **params), torch.no_grad():
+        out = model.generate(prompts, attention_mask=mask, max_new_tokens=25, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full_mask = torch.cat([mask, torch.ones(2, 25, dtype=torch.long)], 1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        full = model(out.sequences, attention_mask=full_mask, position_ids=positions).logits
+    for step, logits in enumerate(out.logits):
+        assert torch.allclose(logits, full[:, 13 + step], atol=1e-4, rtol=0), step
