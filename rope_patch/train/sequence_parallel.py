@@ -7,9 +7,11 @@ all-to-all in, one out), so each process attends over all L tokens for H / N hea
 about N-fold; results are those of one process on the whole sequence.
 
 Why rope_patch calls Ulysses itself instead of accelerate's ``ParallelismConfig(sp_backend="deepspeed")``:
-accelerate wires Ulysses only inside its DeepSpeed engine (``distributed_type: DEEPSPEED``), which takes over the
-optimizer, accumulation and gradient reduction from the loop, and brings ZeRO; rope_patch's loop stays the plain
-accelerate loop under DDP, and needs only DeepSpeed's attention wrapper and process groups. The gradient reduction
+accelerate (1.15) wires Ulysses only inside its DeepSpeed engine (``distributed_type: DEEPSPEED``; it does start on
+CPU processes, but not with ``use_cpu``, which makes the run MULTI_CPU and ParallelismConfig refuses that), and the
+engine takes over the optimizer, accumulation and gradient reduction, and renumbers ``process_index`` by data-parallel
+replica. rope_patch's loop stays the plain accelerate loop under DDP, and needs only DeepSpeed's attention wrapper
+and process groups. The gradient reduction
 then follows from DDP: each process's loss is its shard's summed NLL scaled by N / (the sequence batch's scored
 tokens), so DDP's mean over P = N × D processes is the mean over the D data-parallel replicas of each replica's
 whole-sequence gradient (Ulysses' all-to-all carries every shard's share back in the backward pass).
