@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-slow demo bench clean
+.PHONY: install test test-slow demo demo-full bench clean
 
 install: $(STAMP)
 
@@ -37,13 +37,15 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
-# The main job on the embedded model (about 10 minutes on 2 CPU cores with native bf16, several times that in fp32
-# on CPUs without it; a rerun resumes and takes seconds):
-# its RoPE pair by pair, perplexity of none/linear/ntk/yarn x2 up to twice the native length, and passkey retrieval.
+# The main job on the embedded model, sized to the machine: `rope-patch demo` measures this machine's speed, prints
+# its plan and estimated time, and runs the largest grid that fits 10 minutes (the full grid on a GPU): the RoPE pair
+# by pair, perplexity of none/linear/ntk/yarn x2 up to twice the native length, passkey at 1x and 2x. A rerun resumes.
 demo: $(STAMP)
-	$(VENV)/bin/rope-patch inspect --config configs/inspect.yaml
-	$(VENV)/bin/rope-patch eval --config configs/eval/demo.yaml
-	$(VENV)/bin/rope-patch passkey --config configs/passkey/demo.yaml
+	$(VENV)/bin/rope-patch demo
+
+# The full grid whatever the machine (2 documents, 4 lengths, passkey of every method at 2 depths).
+demo-full: $(STAMP)
+	$(VENV)/bin/rope-patch demo --grid full
 
 bench: $(STAMP)
 	$(PY) scripts/bench_eval.py

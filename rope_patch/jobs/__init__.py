@@ -9,6 +9,7 @@ eval        EvalConfig           run_eval             perplexity of methods × l
 passkey     PasskeyConfig        run_passkey          passkey retrieval of methods × lengths × depths
 lm-eval     LmEvalConfig         run_lm_eval          any lm-evaluation-harness task (RULER, ...) per method
 finetune    FinetuneConfig       finetune             train an extended checkpoint (full or LoRA, accelerate)
+demo        DemoConfig           run_demo             inspect, eval and passkey of the embedded model, sized to the machine
 ==========  ===================  ===================  ==========================================================
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .demo import DemoConfig, DemoResult, run_demo
 from .eval import EvalConfig, EvalResult, run_eval
 from .finetune import FinetuneConfig, FinetuneResult
 from .finetune import finetune as run_finetune  # the module keeps the name `finetune`
@@ -81,10 +83,19 @@ JOBS: dict[str, Job] = {
         "configs/accelerate/ddp.yaml -m rope_patch finetune ...'. Checkpoints every --save-every steps hold the "
         "optimizer, scheduler, data position and RNG: --resume continues to the same result.",
         "rope-patch finetune --method linear:factor=2 --seq-len 16k --steps 200 --output runs/smollm2-16k"),
+    "demo": Job(
+        DemoConfig, run_demo, "what `make demo` runs: inspect, perplexity and passkey on a grid sized to this machine",
+        "Load the model once (the embedded SmolLM2-135M by default), measure this machine's matmul and attention "
+        "speed, and run the largest grid whose estimated time fits --time-budget (--grid full, medium or small picks "
+        "one): the RoPE pair by pair before and after yarn x2; perplexity of none, linear, ntk and yarn at factor 2 "
+        "up to twice the native length (one forward per method and document gives every length); passkey retrieval "
+        "at the native length and at twice it. The plan and its estimate are printed first; results are saved as "
+        "they finish under --output, so a rerun resumes.",
+        "rope-patch demo --grid full"),
 }
 
 __all__ = [
-    "JOBS", "EvalConfig", "EvalResult", "FinetuneConfig", "FinetuneResult", "InspectConfig", "InspectResult", "Job",
+    "JOBS", "DemoConfig", "DemoResult", "EvalConfig", "EvalResult", "FinetuneConfig", "FinetuneResult", "InspectConfig", "InspectResult", "Job",
     "JobConfig", "LmEvalConfig", "LmEvalResult", "PasskeyConfig", "PasskeyResult", "run_eval", "run_finetune",
-    "run_inspect", "run_lm_eval", "run_passkey",
+    "run_demo", "run_inspect", "run_lm_eval", "run_passkey",
 ]
