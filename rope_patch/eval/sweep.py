@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ..methods import method_label, parse_method_spec
-from ..patching import current_patch, patched
+from ..patching import current_patch, find_rotary_modules, patch_state, patched
 
 AS_LOADED = "as-loaded"  # a method spec: the model as loaded, with whatever scaling its checkpoint carries
 MethodSpec = str | Mapping[str, Any]
@@ -55,6 +55,21 @@ def applied(model: nn.Module, entry: MethodEntry) -> Iterator[None]:
     else:
         with patched(model, entry.name, **entry.params):
             yield
+
+
+def positions_follow_length(model: nn.Module) -> bool:
+    """Whether the model's rotary frequencies, as patched now, follow the sequence length (dynamic methods, longrope,
+    or a checkpoint loaded with such a scaling). Where they do not, a causal model's loss on the first L tokens is the
+    same in every longer forward, so one forward serves every shorter truncate length."""
+    state = patch_state(model)
+    if state is not None and state.length_dependent:
+        return True
+    for _, module in find_rotary_modules(model):  # unpatched layer types keep transformers' own dynamic update
+        rope_type = getattr(module, "rope_type", "default")
+        types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        if any("dynamic" in str(t) or str(t) == "longrope" for t in types):
+            return True
+    return False
 
 
 def group_by(items: Iterable[T], key: Callable[[T], Hashable]) -> list[tuple[Hashable, list[T]]]:
