@@ -41,11 +41,12 @@ from ..data import TokenizedDocument
 from ..errors import ConfigError, UnsupportedModelError
 from ..loss import OutputHead, decoder_and_head, token_nll
 from ..patching import fixed_length
-from .store import ResultStore, record_key
-from .sweep import MethodEntry, MethodSpec, applied, method_entries, positions_follow_length
+from .store import ResultStore
+from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
 
 PROTOCOLS = ("truncate", "sliding", "disjoint")
-KEY_FIELDS = ("setup", "method", "length", "protocol", "stride", "document")
+UNIT_FIELDS = ("length", "protocol", "stride", "document")
+KEY_FIELDS = ("setup", "method", *UNIT_FIELDS)
 POSITION_BINS = 128  # the loss-by-position curve keeps this many bins per length
 OOM_HINT = "try --dtype bf16, fewer or shorter --lengths, or more GPUs (accelerate launch)"
 
@@ -229,17 +230,15 @@ class _LengthFailed(RuntimeError):
 
 @dataclass
 class _Sweep:
-    """The state of one :func:`evaluate` call: what to score, what is finished, where to write it."""
+    """The state of one :func:`evaluate` call: what to score, and the keyed sweep that knows what is finished."""
 
     model: nn.Module
     documents: Sequence[TokenizedDocument]
     protocol: Protocol
     batch_size: int
     loss_chunk: int
-    store: ResultStore | None
-    setup: dict[str, Any]
+    keys: Sweep
     accelerator: Any
-    finished: dict[tuple, dict] = field(default_factory=dict)
     failures: list[EvalFailure] = field(default_factory=list)
 
     @property
@@ -253,18 +252,15 @@ class _Sweep:
             return 1, 0
         return self.accelerator.num_processes, self.accelerator.process_index
 
-    def identity(self, label: str, length: int, document: TokenizedDocument) -> dict:
-        return {"setup": self.setup, "method": label, "length": int(length), "protocol": self.protocol.name,
-                "stride": self.protocol.effective_stride, "document": document.id}
+    def unit(self, length: int, document: TokenizedDocument) -> dict:
+        return {"length": int(length), "protocol": self.protocol.name, "stride": self.protocol.effective_stride,
+                "document": document.id}
 
     def is_done(self, label: str, length: int, document: TokenizedDocument) -> bool:
-        return record_key(self.identity(label, length, document), KEY_FIELDS) in self.finished
+        return self.keys.is_done(label, self.unit(length, document))
 
     def finish(self, label: str, length: int, document: TokenizedDocument, stats: dict) -> None:
-        record = {**self.identity(label, length, document), **stats}
-        self.finished[record_key(record, KEY_FIELDS)] = record
-        if self.store is not None and self.is_main:
-            self.store.append(record)
+        self.keys.finish(label, self.unit(length, document), stats)
 
     def plan(self, entry: MethodEntry, lengths: Sequence[int], *, shared: bool) -> list[ForwardPlan]:
         """What is left of one method, lengths that failed left out. ``shared``: one truncate forward per document, at
@@ -416,38 +412,36 @@ def evaluate(
     """Score every document at every length under every method; return ``(records, failures)``.
 
     One record per (method, length, document): summed NLL, scored tokens, windows and the loss summed by position
-    bin. Each method is patched in once and removed afterwards. Records already in ``store`` (same ``setup``) are
+    bin. Each method is patched in once and removed afterwards. Records already in ``store`` under the same key (the
+    ``setup`` given, plus the model's fingerprint, dtype and attention implementation: :class:`~.sweep.Sweep`) are
     reused, new ones appended the moment a document is finished. With an ``accelerator`` of several processes the
     windows are dealt round-robin and gathered, and sums are taken in window order on the main process. Out of memory
     halves the batch and retries the unfinished documents; at one window per forward it is reported for that length
     and the run goes on.
     """
-    entries = method_entries(model, methods)
     protocol.check(lengths)
-    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), store, dict(setup or {}), accelerator)
-    if store is not None:
-        sweep.finished = store.by_key()
-    unshared = {e.label: sweep.plan(e, lengths, shared=False) for e in entries}  # the most work there can be
+    keys = Sweep(model, methods, UNIT_FIELDS, store=store, setup=setup,
+                 writer=accelerator is None or accelerator.is_main_process, job="rope-patch eval")
+    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), keys, accelerator)
+    unshared = {e.label: sweep.plan(e, lengths, shared=False) for e in keys.entries}  # the most work there can be
     bar = tqdm(total=sum(_tokens(plans) for plans in unshared.values()), unit="tok", unit_scale=True,
                desc=f"eval ({protocol.name})", disable=not (progress and sweep.is_main), dynamic_ncols=True)
-    for entry in entries:
-        if not unshared[entry.label]:
-            continue  # every record of this method is already stored: do not even patch
-        with applied(model, entry):
-            shared = protocol.name == "truncate" and not positions_follow_length(model)
-            bar.total -= _tokens(unshared[entry.label])
-            while True:  # a failed shared forward leaves the shorter lengths it served to the next round
-                plans = sweep.plan(entry, lengths, shared=shared)
-                bar.total += _tokens(plans)
-                failures = len(sweep.failures)
-                for plan in plans:
-                    sweep.run_plan(plan, bar)
-                if not plans or len(sweep.failures) == failures:
-                    break
+
+    def work(entry: MethodEntry, _) -> None:
+        shared = protocol.name == "truncate" and not positions_follow_length(model)
+        bar.total -= _tokens(unshared[entry.label])
+        while True:  # a failed shared forward leaves the shorter lengths it served to the next round
+            plans = sweep.plan(entry, lengths, shared=shared)
+            bar.total += _tokens(plans)
+            failures = len(sweep.failures)
+            for plan in plans:
+                sweep.run_plan(plan, bar)
+            if not plans or len(sweep.failures) == failures:
+                break
+
+    records = keys.run([sweep.unit(n, doc) for n in lengths for doc in documents], work)
     bar.close()
-    records = [sweep.finished.get(record_key(sweep.identity(e.label, n, doc), KEY_FIELDS))
-               for e in entries for n in lengths for doc in documents]
-    return [r for r in records if r is not None], sweep.failures
+    return records, sweep.failures
 
 
 def _tokens(plans: Sequence[ForwardPlan]) -> int:
