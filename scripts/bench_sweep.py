@@ -23,18 +23,20 @@ from rope_patch.eval.perplexity import evaluate, perplexity
 from rope_patch.loading import default_attention, load_model
 
 
-def timed(model, document, method: str, lengths: list[int]) -> tuple[float, dict[int, float]]:
-    """Seconds of one :func:`evaluate` call and the perplexity at each length."""
+def timed(model, document, method: str, lengths: list[int]) -> dict:
+    """Wall seconds and CPU seconds (of this process: steadier than wall time on a shared machine) of one
+    :func:`evaluate` call, and the perplexity at each length."""
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     records, failures = evaluate(model, [document], [method], lengths, progress=False)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     if failures:
         raise SystemExit(f"{method} at {lengths}: {failures[0].reason}")
-    return seconds, {r["length"]: perplexity(r["nll"], r["tokens"]) for r in records}
+    return {"lengths": lengths, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "perplexity": {r["length"]: perplexity(r["nll"], r["tokens"]) for r in records}}
 
 
 def main() -> None:
@@ -53,25 +55,19 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {args.device} {args.dtype}, {args.method}", flush=True)
     evaluate(model, [document], [args.method], [256], progress=False)  # warm-up: one-off kernel set-up costs
 
-    rows = []
-    longest, (alone_seconds, alone) = max(lengths), timed(model, document, args.method, [max(lengths)])
-    rows.append({"run": f"{longest} alone", "seconds": alone_seconds, "perplexity": alone})
-    print(json.dumps(rows[-1]), flush=True)
-    sweep_seconds, sweep = timed(model, document, args.method, lengths)
-    rows.append({"run": "sweep " + "+".join(map(str, lengths)), "seconds": sweep_seconds, "perplexity": sweep})
-    print(json.dumps(rows[-1]), flush=True)
-    own = {longest: alone[longest]}
-    for n in (n for n in lengths if n != longest):
-        seconds, ppl = timed(model, document, args.method, [n])
-        own[n] = ppl[n]
-        rows.append({"run": f"{n} alone", "seconds": seconds, "perplexity": ppl})
-        print(json.dumps(rows[-1]), flush=True)
-
-    print(f"sweep {sweep_seconds:.1f} s = {sweep_seconds / alone_seconds:.3f} x the {longest} run alone "
-          f"({alone_seconds:.1f} s)")
+    longest = max(lengths)
+    rows = [timed(model, document, args.method, [longest]), timed(model, document, args.method, lengths)]
+    rows += [timed(model, document, args.method, [n]) for n in lengths if n != longest]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    alone, sweep = rows[0], rows[1]
+    own = {n: row["perplexity"][n] for row in rows[:1] + rows[2:] for n in row["lengths"]}
+    print(f"sweep {'+'.join(map(str, lengths))}: {sweep['seconds']:.1f} s wall, {sweep['cpu_seconds']:.1f} s CPU = "
+          f"{sweep['seconds'] / alone['seconds']:.3f} (wall), {sweep['cpu_seconds'] / alone['cpu_seconds']:.3f} (CPU) "
+          f"x the {longest} run alone ({alone['seconds']:.1f} s wall, {alone['cpu_seconds']:.1f} s CPU)")
     for n in lengths:
-        print(f"{n:>6}: sweep {sweep[n]:.6f}, alone {own[n]:.6f}, relative difference "
-              f"{abs(sweep[n] - own[n]) / own[n]:.1e}")
+        print(f"{n:>6}: sweep {sweep['perplexity'][n]:.6f}, alone {own[n]:.6f}, relative difference "
+              f"{abs(sweep['perplexity'][n] - own[n]) / own[n]:.1e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
