@@ -268,12 +268,13 @@ class _Sweep:
         failed = {f.length for f in self.failures if f.method == entry.label}
         lengths = [int(n) for n in lengths if int(n) not in failed]
         if not shared:
-            plans = [ForwardPlan(entry, n, [w for i, doc in enumerate(self.documents)
-                                            if not self.is_done(entry.label, n, doc)
-                                            for w in self.protocol.windows(i, len(doc), n)], []) for n in lengths]
-            for p in plans:
-                p.serves = [(p.length,)] * len(p.windows)
-            return [p for p in plans if p.windows]
+            plans = []
+            for n in lengths:
+                windows = [w for i, doc in enumerate(self.documents) if not self.is_done(entry.label, n, doc)
+                           for w in self.protocol.windows(i, len(doc), n)]
+                if windows:
+                    plans.append(ForwardPlan(entry, n, windows, [(n,)] * len(windows)))
+            return plans
         by_length: dict[int, ForwardPlan] = {}
         for i, doc in enumerate(self.documents):
             missing = sorted(n for n in set(lengths) if not self.is_done(entry.label, n, doc)
