@@ -37,12 +37,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, MissingExtraError
+from ..patching import native_length, patch_state, primary_rotary
 from .plots import file_stem
-from .store import ResultStore, record_key
-from .sweep import MethodEntry, MethodSpec, applied, group_by, method_entries
+from .store import ResultStore
+from .sweep import MethodEntry, MethodSpec, Sweep, applied, method_entries
 
 INSTALL = 'pip install "rope-patch[lm-eval]"'
-KEY_FIELDS = ("model", "method", "task", "length", "setup")
+UNIT_FIELDS = ("task", "length")
+KEY_FIELDS = ("setup", "method", *UNIT_FIELDS)
 
 
 def require_lm_eval() -> ModuleType:
@@ -195,6 +197,34 @@ def run_unit(model, tokenizer, entry: MethodEntry, unit: HarnessUnit, catalog: T
     return results, folder / f"results_{tracker.date_id}.json"
 
 
+def sweep_window(model, entries: Sequence[MethodEntry]) -> int:
+    """lm-eval's window when none is given: the longest context the sweep's methods extend to (a patch's factor ×
+    native length; the native length for ``none``), one window for every method, so none is scored at another
+    length than the rest. A method with no extended context (ReRoPE: any length fits) is refused."""
+    contexts = {}
+    for entry in entries:
+        with applied(model, entry):
+            contexts[entry.label] = patch_context_length(model)
+    unbounded = [label for label, n in contexts.items() if n is None]
+    if unbounded:
+        raise ConfigError(f"--max-length: {unbounded[0]} defines no extended context length (its relative positions "
+                          "are capped, so no length is its own); give --max-length N, the one window every method is "
+                          "scored at")
+    return max(contexts.values())
+
+
+def patch_context_length(model) -> int | None:
+    """The context the model, as patched now, is built for; None where the patch sets no limit."""
+    state = patch_state(model)
+    if state is not None:
+        return state.context_length if state.context_length < 2**31 - 1 else None
+    _, module, layer_type = primary_rotary(model)  # unpatched: the scaling the checkpoint was loaded with, if any
+    params = module.config.rope_parameters
+    params = params.get(layer_type, params) if layer_type else params
+    scaled = params.get("rope_type", "default") != "default"
+    return int(native_length(model) * float(params.get("factor") or 1.0 if scaled else 1.0))
+
+
 def evaluate_harness(
     model,
     tokenizer,
@@ -209,65 +239,60 @@ def evaluate_harness(
     metadata: Mapping[str, Any] | None = None,
     output: str | Path | None = None,
     store: ResultStore | None = None,
+    setup: Mapping[str, Any] | None = None,
     model_name: str = "model",
     catalog: TaskCatalog | None = None,
     progress: bool = True,
 ) -> list[dict]:
     """Run lm-eval ``tasks`` on ``model`` under each method and return one record per (method, task, length).
 
-    A record holds lm-eval's ``results`` (and ``groups``) for the run, its ``n-samples``, the results file and the
-    time taken. Runs already in ``store`` (same model, method, task, length and settings) are skipped; new ones are
-    appended the moment they finish. ``metadata`` goes to every task (RULER: ``{"max_seq_lengths": [4096, 8192]}``,
-    split into one run per length); RULER's tokenizer is the model's own, saved for it, unless ``metadata`` names one.
+    A record holds lm-eval's ``results`` (and ``groups``) for the run, its ``n-samples``, the window it ran at
+    (``max_length``), the results file and the time taken. Without ``max_length`` a run of a length sweep uses its
+    length, any other run :func:`sweep_window`. Runs already in ``store`` under the same key (method, task, length,
+    the run's settings, the ``setup`` given, and the model's fingerprint, dtype and attention implementation:
+    :class:`~.sweep.Sweep`) are skipped; new ones are appended the moment they finish. ``metadata`` goes to every task
+    (RULER: ``{"max_seq_lengths": [4096, 8192]}``, split into one run per length); RULER's tokenizer is the model's
+    own, saved for it, unless ``metadata`` names one.
     """
     require_lm_eval()
-    entries = method_entries(model, methods)
     catalog = catalog or TaskCatalog(tasks, include_path)
     metadata = dict(metadata or {})
     units = plan_units(tasks, metadata)
     split = bool(sweep_lengths(metadata))
-    setup = {"limit": limit, "num_fewshot": num_fewshot, "max_length": max_length, "include_path": include_path,
-             "metadata": {k: v for k, v in metadata.items() if not (split and k == "max_seq_lengths")}}
-
-    finished = store.by_key() if store is not None else {}
-    results: dict[tuple[str, HarnessUnit], dict] = {}
-    todo: list[tuple[MethodEntry, HarnessUnit]] = []
-    for entry in entries:
-        for unit in units:
-            done = finished.get(record_key(_identity(model_name, entry.label, unit, setup), KEY_FIELDS))
-            if done is not None:
-                results[(entry.label, unit)] = done
-            else:
-                todo.append((entry, unit))
+    entries = method_entries(model, methods)
+    if max_length is None and not split:
+        max_length = sweep_window(model, entries)
+    run_setup = {"limit": limit, "num_fewshot": num_fewshot, "max_length": max_length, "batch_size": int(batch_size),
+                 "include_path": include_path,
+                 "metadata": {k: v for k, v in metadata.items() if not (split and k == "max_seq_lengths")}}
+    sweep = Sweep(model, methods, UNIT_FIELDS, store=store, setup={**dict(setup or {}), **run_setup},
+                  job="rope-patch lm-eval")
+    keyed = [{"task": u.task, "length": u.length} for u in units]
+    todo = sweep.missing(keyed)
     if not todo:
-        return [results[(entry.label, unit)] for entry in entries for unit in units]
+        return sweep.records(keyed)
 
     with tempfile.TemporaryDirectory(prefix="rope_patch_tokenizer_") as scratch:
         if "tokenizer" not in metadata:  # RULER sizes its prompts with a tokenizer it loads by name: the model's own
             folder = Path(output) / "tokenizer" if output is not None else Path(scratch)
             tokenizer.save_pretrained(folder)
             metadata["tokenizer"] = str(folder)
-        bar = tqdm(total=len(todo), desc="lm-eval", unit="run", disable=not progress)
-        for _, group in group_by(todo, lambda item: item[0].label):
-            with applied(model, group[0][0]):
-                for entry, unit in group:
-                    bar.set_postfix_str(f"{entry.label} {unit.task}" + (f" @ {unit.length}" if unit.length else ""))
-                    start = time.perf_counter()
-                    run, path = run_unit(model, tokenizer, entry, unit, catalog, metadata=metadata,
-                                         max_length=max_length, batch_size=batch_size, limit=limit,
-                                         num_fewshot=num_fewshot, output=output, model_name=model_name)
-                    record = {**_identity(model_name, entry.label, unit, setup),
-                              "results": plain_json(run["results"]), "groups": plain_json(run.get("groups", {})),
-                              "n-samples": plain_json(run.get("n-samples", {})),
-                              "file": str(path) if path is not None else None,
-                              "seconds": round(time.perf_counter() - start, 3)}
-                    if store is not None:
-                        store.append(record)
-                    results[(entry.label, unit)] = record
-                    bar.update(1)
+        bar = tqdm(total=sum(len(us) for _, us in todo), desc="lm-eval", unit="run", disable=not progress)
+
+        def work(entry: MethodEntry, missing: list[Mapping[str, Any]]) -> None:
+            for key in missing:
+                unit = HarnessUnit(key["task"], key["length"])
+                bar.set_postfix_str(f"{entry.label} {unit.task}" + (f" @ {unit.length}" if unit.length else ""))
+                start = time.perf_counter()
+                run, path = run_unit(model, tokenizer, entry, unit, catalog, metadata=metadata,
+                                     max_length=max_length, batch_size=batch_size, limit=limit,
+                                     num_fewshot=num_fewshot, output=output, model_name=model_name)
+                sweep.finish(entry.label, key, {
+                    "results": plain_json(run["results"]), "groups": plain_json(run.get("groups", {})),
+                    "n-samples": plain_json(run.get("n-samples", {})), "max_length": unit.max_length(max_length),
+                    "file": str(path) if path is not None else None, "seconds": round(time.perf_counter() - start, 3)})
+                bar.update(1)
+
+        records = sweep.run(keyed, work)
         bar.close()
-    return [results[(entry.label, unit)] for entry in entries for unit in units]
-
-
-def _identity(model_name: str, label: str, unit: HarnessUnit, setup: Mapping[str, Any]) -> dict:
-    return {"model": model_name, "method": label, "task": unit.task, "length": unit.length, "setup": dict(setup)}
+    return records

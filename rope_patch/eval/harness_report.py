@@ -16,7 +16,7 @@ from typing import Any
 
 from .plots import length_axis, new_figure, prepare_path, save_figure, write_csv
 
-SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples")
+SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples", "max_length")
 
 
 def _number(value: Any) -> float | None:
@@ -43,7 +43,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict]:
                 name = metric if flt in ("", "none") else f"{metric},{flt}"
                 rows.append({"method": record["method"], "task": task, "metric": name, "length": length,
                              "value": float(value), "stderr": _number(stderr),
-                             "samples": samples})
+                             "samples": samples, "max_length": record.get("max_length")})
     return rows
 
 

@@ -17,8 +17,9 @@ import contextlib
 import random
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -26,8 +27,8 @@ from transformers import GenerationConfig
 
 from ..data import resolve_bos
 from ..errors import ConfigError, DataError
-from .store import ResultStore, record_key
-from .sweep import MethodEntry, MethodSpec, applied, group_by, method_entries
+from .store import ResultStore
+from .sweep import MethodEntry, MethodSpec, Sweep
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -36,7 +37,8 @@ INTRO = (
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
-KEY_FIELDS = ("model", "method", "length", "depth", "trial", "seed")
+UNIT_FIELDS = ("length", "depth", "trial", "seed")
+KEY_FIELDS = ("setup", "method", *UNIT_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -162,58 +164,42 @@ def evaluate_passkey(
     seed: int = 0,
     max_new_tokens: int = 8,
     store: ResultStore | None = None,
-    model_name: str = "model",
+    setup: Mapping[str, Any] | None = None,
     progress: bool = True,
 ) -> list[dict]:
     """Run the passkey grid (methods × lengths × depths × trials) and return one record per trial.
 
     Each method is patched in once and removed afterwards, so the model is loaded once (``as-loaded``: the model as
-    it is, a fine-tuned checkpoint's own scaling included). Trials already in ``store`` (same model, method, length,
-    depth, trial and seed) are skipped; new ones are appended the moment they finish. A record holds the key, the
-    decoded output, the parsed answer and ``correct``.
+    it is, a fine-tuned checkpoint's own scaling included). Trials already in ``store`` under the same key (method,
+    cell, seed, ``max_new_tokens``, the ``setup`` given, and the model's fingerprint, dtype and attention
+    implementation: :class:`~.sweep.Sweep`) are skipped; new ones are appended the moment they finish. A record holds
+    the key, the decoded output, the parsed answer and ``correct``.
     """
-    entries = method_entries(model, methods)
     check_grid(lengths, depths, trials, max_new_tokens)
+    sweep = Sweep(model, methods, UNIT_FIELDS, store=store,
+                  setup={**dict(setup or {}), "max_new_tokens": int(max_new_tokens)}, job="rope-patch passkey")
     builder = PromptBuilder(tokenizer)
-    cells = [(int(n), float(d), t) for n in lengths for d in depths for t in range(trials)]
-    for n, depth, trial in cells:  # a too-short length fails now, not after an hour of other cells
-        builder.check(n, passkey_key(seed, n, depth, trial))
+    units = [{"length": int(n), "depth": float(d), "trial": t, "seed": int(seed)}
+             for n in lengths for d in depths for t in range(trials)]
+    for u in units:  # a too-short length fails now, not after an hour of other cells
+        builder.check(u["length"], passkey_key(seed, u["length"], u["depth"], u["trial"]))
 
-    finished = store.by_key() if store is not None else {}
-    results: dict[tuple, dict] = {}
-    todo: list[tuple[MethodEntry, tuple]] = []
-    for entry in entries:
-        for cell in cells:
-            done = finished.get(record_key(_identity(model_name, entry.label, cell, seed), KEY_FIELDS))
-            if done is not None:
-                results[(entry.label, *cell)] = done
-            else:
-                todo.append((entry, cell))
+    todo = sum(len(us) for _, us in sweep.missing(units))
+    bar = tqdm(total=todo, desc="passkey", unit="trial", disable=not progress or not todo)
 
-    bar = tqdm(total=len(todo), desc="passkey", unit="trial", disable=not progress or not todo)
-    for _, group in group_by(todo, lambda item: item[0].label):
-        with applied(model, group[0][0]):
-            for entry, (n, depth, trial) in group:
-                key = passkey_key(seed, n, depth, trial)
-                prompt = builder.build(n, depth, key)
-                start = time.perf_counter()
-                text = answer(model, tokenizer, prompt, max_new_tokens)
-                parsed = parse_answer(text)
-                record = {
-                    **_identity(model_name, entry.label, (n, depth, trial), seed),
-                    "key": key, "output": text, "answer": parsed, "correct": parsed == key,
-                    "needle_start": prompt.needle_start, "seconds": round(time.perf_counter() - start, 3),
-                }
-                if store is not None:
-                    store.append(record)
-                results[(entry.label, n, depth, trial)] = record
-                bar.update(1)
-                bar.set_postfix_str(f"{entry.label} {n} tokens: {'ok' if record['correct'] else 'miss'}")
+    def work(entry: MethodEntry, missing: list[Mapping[str, Any]]) -> None:
+        for unit in missing:
+            key = passkey_key(seed, unit["length"], unit["depth"], unit["trial"])
+            prompt = builder.build(unit["length"], unit["depth"], key)
+            start = time.perf_counter()
+            text = answer(model, tokenizer, prompt, max_new_tokens)
+            parsed = parse_answer(text)
+            record = sweep.finish(entry.label, unit, {
+                "key": key, "output": text, "answer": parsed, "correct": parsed == key,
+                "needle_start": prompt.needle_start, "seconds": round(time.perf_counter() - start, 3)})
+            bar.update(1)
+            bar.set_postfix_str(f"{entry.label} {unit['length']} tokens: {'ok' if record['correct'] else 'miss'}")
+
+    records = sweep.run(units, work)
     bar.close()
-    return [results[(entry.label, *cell)] for entry in entries for cell in cells]
-
-
-def _identity(model_name: str, label: str, cell: tuple, seed: int) -> dict:
-    n, depth, trial = cell
-    return {"model": model_name, "method": label, "length": int(n), "depth": float(depth), "trial": int(trial),
-            "seed": int(seed)}
+    return records

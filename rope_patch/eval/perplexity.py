@@ -3,7 +3,10 @@
 Protocols (named in every record and output):
 
 * ``truncate``: each document is cut to its first L tokens and scored in one forward (the YaRN and PI Proof-pile
-  runs);
+  runs). A causal model's loss on the first L tokens is the same in any longer forward as long as the method's
+  positions do not follow the sequence length, so for every method but the dynamic ones (and longrope, whose factors
+  switch at the native length) one forward per document at the longest length gives every shorter length of the
+  sweep (a *shared forward*; each record's ``forward_length`` says which forward it came from);
 * ``sliding``: windows of L tokens advance by ``stride``; each token is scored once, by the first window that ends at
   or after it, so it sees between L − stride and L − 1 tokens of context (the PI paper's S = 256). Every window is
   exactly L tokens long: the last one ends at the document's end.
@@ -38,11 +41,12 @@ from ..data import TokenizedDocument
 from ..errors import ConfigError, UnsupportedModelError
 from ..loss import OutputHead, decoder_and_head, token_nll
 from ..patching import fixed_length
-from .store import ResultStore, record_key
-from .sweep import MethodEntry, MethodSpec, applied, group_by, method_entries
+from .store import ResultStore
+from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
 
 PROTOCOLS = ("truncate", "sliding", "disjoint")
-KEY_FIELDS = ("setup", "method", "length", "protocol", "stride", "document")
+UNIT_FIELDS = ("length", "protocol", "stride", "document")
+KEY_FIELDS = ("setup", "method", *UNIT_FIELDS)
 POSITION_BINS = 128  # the loss-by-position curve keeps this many bins per length
 OOM_HINT = "try --dtype bf16, fewer or shorter --lengths, or more GPUs (accelerate launch)"
 
@@ -133,7 +137,7 @@ class Protocol:
 
 def describe_protocol(name: str, stride: int | None, bos: bool) -> str:
     """How the numbers were obtained, in words, for every output."""
-    how = {"sliding": f"sliding window, stride {stride}", "truncate": "truncate (first L tokens, one forward)",
+    how = {"sliding": f"sliding window, stride {stride}", "truncate": "truncate (first L tokens; static methods share one forward per document at the longest length)",
            "disjoint": "disjoint windows of L tokens (lm-eval's rolling log-likelihood)"}[name]
     return f"protocol {how}; BOS {'prepended to every window' if bos else 'not added'}; token-weighted perplexity"
 
@@ -209,12 +213,15 @@ class EvalFailure:
 
 
 @dataclass
-class LengthPlan:
-    """The windows still to score for one method at one length."""
+class ForwardPlan:
+    """The windows still to run for one method at one length. Each window also gives the records of the lengths it
+    ``serves``: just its own, or under a shared forward every truncate length still missing for its document (the
+    loss of the first L tokens is the prefix of the longest forward's)."""
 
     entry: MethodEntry
     length: int
     windows: list[Window]
+    serves: list[tuple[int, ...]]  # per window: the lengths whose records it gives, ascending, ``length`` last
 
 
 class _LengthFailed(RuntimeError):
@@ -223,17 +230,15 @@ class _LengthFailed(RuntimeError):
 
 @dataclass
 class _Sweep:
-    """The state of one :func:`evaluate` call: what to score, what is finished, where to write it."""
+    """The state of one :func:`evaluate` call: what to score, and the keyed sweep that knows what is finished."""
 
     model: nn.Module
     documents: Sequence[TokenizedDocument]
     protocol: Protocol
     batch_size: int
     loss_chunk: int
-    store: ResultStore | None
-    setup: dict[str, Any]
+    keys: Sweep
     accelerator: Any
-    finished: dict[tuple, dict] = field(default_factory=dict)
     failures: list[EvalFailure] = field(default_factory=list)
 
     @property
@@ -247,32 +252,49 @@ class _Sweep:
             return 1, 0
         return self.accelerator.num_processes, self.accelerator.process_index
 
-    def identity(self, label: str, length: int, document: TokenizedDocument) -> dict:
-        return {"setup": self.setup, "method": label, "length": int(length), "protocol": self.protocol.name,
-                "stride": self.protocol.effective_stride, "document": document.id}
+    def unit(self, length: int, document: TokenizedDocument) -> dict:
+        return {"length": int(length), "protocol": self.protocol.name, "stride": self.protocol.effective_stride,
+                "document": document.id}
 
     def is_done(self, label: str, length: int, document: TokenizedDocument) -> bool:
-        return record_key(self.identity(label, length, document), KEY_FIELDS) in self.finished
+        return self.keys.is_done(label, self.unit(length, document))
 
     def finish(self, label: str, length: int, document: TokenizedDocument, stats: dict) -> None:
-        record = {**self.identity(label, length, document), **stats}
-        self.finished[record_key(record, KEY_FIELDS)] = record
-        if self.store is not None and self.is_main:
-            self.store.append(record)
+        self.keys.finish(label, self.unit(length, document), stats)
 
-    def plan(self, entries: Sequence[MethodEntry], lengths: Sequence[int]) -> list[LengthPlan]:
-        return [LengthPlan(entry, int(length), [
-            w for i, doc in enumerate(self.documents) if not self.is_done(entry.label, length, doc)
-            for w in self.protocol.windows(i, len(doc), int(length))]) for entry in entries for length in lengths]
+    def plan(self, entry: MethodEntry, lengths: Sequence[int], *, shared: bool) -> list[ForwardPlan]:
+        """What is left of one method, lengths that failed left out. ``shared``: one truncate forward per document, at
+        the longest length it still lacks, gives all its missing lengths; else one forward per window and length."""
+        failed = {f.length for f in self.failures if f.method == entry.label}
+        lengths = [int(n) for n in lengths if int(n) not in failed]
+        if not shared:
+            plans = []
+            for n in lengths:
+                windows = [w for i, doc in enumerate(self.documents) if not self.is_done(entry.label, n, doc)
+                           for w in self.protocol.windows(i, len(doc), n)]
+                if windows:
+                    plans.append(ForwardPlan(entry, n, windows, [(n,)] * len(windows)))
+            return plans
+        by_length: dict[int, ForwardPlan] = {}
+        for i, doc in enumerate(self.documents):
+            missing = sorted(n for n in set(lengths) if not self.is_done(entry.label, n, doc)
+                             and self.protocol.windows(i, len(doc), n))
+            if missing:
+                plan = by_length.setdefault(missing[-1], ForwardPlan(entry, missing[-1], [], []))
+                plan.windows += self.protocol.windows(i, len(doc), missing[-1])
+                plan.serves.append(tuple(missing))
+        return [by_length[n] for n in sorted(by_length)]
 
-    def run_length(self, plan: LengthPlan, bar) -> None:
-        """Score one (method, length); out of memory halves the batch and retries the unfinished documents, and at
-        one window per forward the length is reported as failed and the sweep goes on."""
+    def run_plan(self, plan: ForwardPlan, bar) -> None:
+        """Run one plan; out of memory halves the batch and retries the unfinished documents, and at one window per
+        forward the length is reported as failed and the sweep goes on (the shorter lengths it served are planned
+        again by the caller)."""
         label, length = plan.entry.label, plan.length
         bar.set_postfix_str(f"{label} @ {length}")
         tokens_before, size = bar.n, self.batch_size
         while True:
-            pending = [w for w in plan.windows if not self.is_done(label, length, self.documents[w.document])]
+            pending = [(w, serves) for w, serves in zip(plan.windows, plan.serves)
+                       if not all(self.is_done(label, n, self.documents[w.document]) for n in serves)]
             bar.n = tokens_before + (len(plan.windows) - len(pending)) * length  # unfinished documents restart
             try:
                 with fixed_length(self.model, length):
@@ -292,22 +314,23 @@ class _Sweep:
         if self.is_main:
             tqdm.write(f"rope-patch eval: {message}", file=sys.stderr)
 
-    def score(self, windows: list[Window], label: str, length: int, batch_size: int, bar) -> None:
-        """Score ``windows`` (all of one length) in rounds of ``world × batch_size``; each process scores its share of
-        a round, the results are gathered and summed in window order; documents finish as they complete."""
-        bin_width = max(1, math.ceil(length / POSITION_BINS))
-        n_bins = math.ceil(length / bin_width)
-        remaining: dict[int, int] = {}
-        for w in windows:
-            remaining[w.document] = remaining.get(w.document, 0) + 1
-        partial: dict[int, dict] = {}
+    def score(self, work: list[tuple[Window, tuple[int, ...]]], label: str, length: int, batch_size: int,
+              bar) -> None:
+        """Score the windows of ``work`` (all ``length`` tokens long) in rounds of ``world × batch_size``; each process
+        scores its share of a round, the results are gathered and summed in window order; a document's record at a
+        length is written the moment its last window there is summed."""
+        remaining: dict[tuple[int, int], int] = {}  # (document, length) -> windows still to sum
+        for w, serves in work:
+            for n in serves:
+                remaining[(w.document, n)] = remaining.get((w.document, n), 0) + 1
+        partial: dict[tuple[int, int], dict] = {}
         world, rank = self.world
-        for start in range(0, len(windows), world * batch_size):
-            round_windows = list(enumerate(windows[start : start + world * batch_size], start))
-            mine = round_windows[rank::world]
+        for start in range(0, len(work), world * batch_size):
+            round_work = list(enumerate(work[start : start + world * batch_size], start))
+            mine = round_work[rank::world]
             try:
-                results = [(i, _window_stats(nll, length, bin_width, n_bins))
-                           for (i, _), nll in zip(mine, self.forward([w for _, w in mine]))]
+                results = [(i, self.stats_by_length(w, serves, nll, length))
+                           for (i, (w, serves)), nll in zip(mine, self.forward([w for _, (w, _) in mine]))]
                 error = None
             except Exception as caught:  # an OOM must reach every process, or the others would wait forever
                 if not is_out_of_memory(caught):
@@ -319,21 +342,35 @@ class _Sweep:
             errors = [e for e, _ in gathered if e]
             if errors:
                 raise _LengthFailed(errors[0])
-            for i, stats in sorted((item for _, rs in gathered for item in rs), key=lambda item: item[0]):
-                document = windows[i].document  # summed in window order, whichever process scored the window
-                totals = partial.setdefault(document, {
-                    "nll": 0.0, "tokens": 0, "windows": 0, "position_bin": bin_width,
-                    "position_nll": np.zeros(n_bins), "position_tokens": np.zeros(n_bins, dtype=np.int64)})
-                for key in ("nll", "tokens", "position_nll", "position_tokens"):
-                    totals[key] = totals[key] + stats[key]
-                totals["windows"] += 1
-                remaining[document] -= 1
-                if remaining[document] == 0:
-                    totals = partial.pop(document)
-                    for key in ("position_nll", "position_tokens"):
-                        totals[key] = totals[key].tolist()  # JSON-ready
-                    self.finish(label, length, self.documents[document], totals)
-            bar.update(len(round_windows) * length)
+            for i, by_length in sorted((item for _, rs in gathered for item in rs), key=lambda item: item[0]):
+                document = work[i][0].document  # summed in window order, whichever process scored the window
+                for n, stats in by_length.items():
+                    totals = partial.setdefault((document, n), {
+                        "nll": 0.0, "tokens": 0, "windows": 0, "forward_length": length,
+                        "position_bin": stats["position_bin"], "position_nll": 0.0, "position_tokens": 0})
+                    for key in ("nll", "tokens", "position_nll", "position_tokens"):
+                        totals[key] = totals[key] + stats[key]
+                    totals["windows"] += 1
+                    remaining[(document, n)] -= 1
+                    if remaining[(document, n)] == 0:
+                        totals = partial.pop((document, n))
+                        for key in ("position_nll", "position_tokens"):
+                            totals[key] = totals[key].tolist()  # JSON-ready
+                        self.finish(label, n, self.documents[document], totals)
+            bar.update(len(round_work) * length)
+
+    def stats_by_length(self, window: Window, serves: tuple[int, ...], nll: torch.Tensor, length: int
+                        ) -> dict[int, dict]:
+        """The statistics of a ``length``-token window at each length it serves: its own, or for a shorter truncate
+        length the prefix of its loss that length's window scores."""
+        by_length = {}
+        for n in serves:
+            if n == length:
+                by_length[n] = _window_stats(nll, n)
+            else:
+                (own,) = self.protocol.windows(window.document, len(self.documents[window.document]), n)
+                by_length[n] = _window_stats(nll[: own.end - own.scored_from], n)  # the first n − 1 scored tokens
+        return by_length
 
     def forward(self, windows: list[Window]) -> list[torch.Tensor]:
         if not windows:
@@ -347,11 +384,14 @@ class _Sweep:
                           next_tokens=following, loss_chunk=self.loss_chunk)
 
 
-def _window_stats(nll: torch.Tensor, length: int, bin_width: int, n_bins: int) -> dict:
-    """Summed NLL and token count of one window, and both by position bin (scored tokens end the window)."""
+def _window_stats(nll: torch.Tensor, length: int) -> dict:
+    """Summed NLL and token count of one window of ``length`` tokens, and both by position bin (the scored tokens end
+    the window; POSITION_BINS bins per length)."""
+    bin_width = max(1, math.ceil(length / POSITION_BINS))
+    n_bins = math.ceil(length / bin_width)
     values = nll.double().cpu().numpy()
     bins = np.arange(length - values.shape[0], length) // bin_width  # the position of each scored token, binned
-    return {"nll": float(values.sum()), "tokens": int(values.shape[0]),
+    return {"nll": float(values.sum()), "tokens": int(values.shape[0]), "position_bin": bin_width,
             "position_nll": np.bincount(bins, weights=values, minlength=n_bins),
             "position_tokens": np.bincount(bins, minlength=n_bins)}
 
@@ -373,27 +413,37 @@ def evaluate(
     """Score every document at every length under every method; return ``(records, failures)``.
 
     One record per (method, length, document): summed NLL, scored tokens, windows and the loss summed by position
-    bin. Each method is patched in once and removed afterwards. Records already in ``store`` (same ``setup``) are
+    bin. Each method is patched in once and removed afterwards. Records already in ``store`` under the same key (the
+    ``setup`` given, plus the model's fingerprint, dtype and attention implementation: :class:`~.sweep.Sweep`) are
     reused, new ones appended the moment a document is finished. With an ``accelerator`` of several processes the
     windows are dealt round-robin and gathered, and sums are taken in window order on the main process. Out of memory
     halves the batch and retries the unfinished documents; at one window per forward it is reported for that length
     and the run goes on.
     """
-    entries = method_entries(model, methods)
     protocol.check(lengths)
-    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), store, dict(setup or {}), accelerator)
-    if store is not None:
-        sweep.finished = store.by_key()
-    plans = sweep.plan(entries, lengths)
-    bar = tqdm(total=sum(len(p.windows) * p.length for p in plans), unit="tok", unit_scale=True,
+    keys = Sweep(model, methods, UNIT_FIELDS, store=store, setup=setup,
+                 writer=accelerator is None or accelerator.is_main_process, job="rope-patch eval")
+    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), keys, accelerator)
+    unshared = {e.label: sweep.plan(e, lengths, shared=False) for e in keys.entries}  # the most work there can be
+    bar = tqdm(total=sum(_tokens(plans) for plans in unshared.values()), unit="tok", unit_scale=True,
                desc=f"eval ({protocol.name})", disable=not (progress and sweep.is_main), dynamic_ncols=True)
-    for _, group in group_by(plans, lambda p: p.entry.label):
-        if not any(p.windows for p in group):
-            continue  # every record of this method is already stored: do not even patch
-        with applied(model, group[0].entry):
-            for plan in group:
-                sweep.run_length(plan, bar)
+
+    def work(entry: MethodEntry, _) -> None:
+        shared = protocol.name == "truncate" and not positions_follow_length(model)
+        bar.total -= _tokens(unshared[entry.label])
+        while True:  # a failed shared forward leaves the shorter lengths it served to the next round
+            plans = sweep.plan(entry, lengths, shared=shared)
+            bar.total += _tokens(plans)
+            failures = len(sweep.failures)
+            for plan in plans:
+                sweep.run_plan(plan, bar)
+            if not plans or len(sweep.failures) == failures:
+                break
+
+    records = keys.run([sweep.unit(n, doc) for n in lengths for doc in documents], work)
     bar.close()
-    records = [sweep.finished.get(record_key(sweep.identity(e.label, n, doc), KEY_FIELDS))
-               for e in entries for n in lengths for doc in documents]
-    return [r for r in records if r is not None], sweep.failures
+    return records, sweep.failures
+
+
+def _tokens(plans: Sequence[ForwardPlan]) -> int:
+    return sum(len(p.windows) * p.length for p in plans)

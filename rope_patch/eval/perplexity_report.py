@@ -20,7 +20,7 @@ from .plots import length_axis, new_figure, prepare_path, save_figure, write_csv
 from .sweep import MethodEntry
 
 SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
-                  "documents", "tokens", "skipped", "status")
+                  "documents", "tokens", "skipped", "shared_forward", "status")
 
 
 def summarize(
@@ -48,7 +48,8 @@ def summarize(
                 "method": entry.label, "name": entry.name, "params": json.dumps(entry.params, sort_keys=True),
                 "length": int(length), "protocol": protocol, "stride": stride if protocol == "sliding" else None,
                 "bos": bool(bos), "perplexity": perplexity(sum(nll), sum(tokens)), "ci_low": low, "ci_high": high,
-                "documents": len(cell), "tokens": int(sum(tokens)), "skipped": int(skipped), "status": status,
+                "documents": len(cell), "tokens": int(sum(tokens)), "skipped": int(skipped),
+                "shared_forward": any(r.get("forward_length", length) > length for r in cell), "status": status,
             })
     return rows
 
@@ -69,6 +70,10 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for method in methods:
         lines.append(method.ljust(width) + "".join(f"{_cell_text(cells[(method, n)]):>12}" for n in lengths))
     documents = max(r["documents"] for r in rows)
+    shared = list(dict.fromkeys(r["method"] for r in rows if r.get("shared_forward")))
+    if shared:
+        lines.append(f"shared forward: {', '.join(shared)} scored the shorter lengths as prefixes of each document's "
+                     "longest forward (summary.csv: shared_forward)")
     lines.append(f"{_protocol_of(rows)}; {documents} documents ({rows[0]['skipped']} skipped as too short); "
                  "95% intervals in summary.csv")
     return "\n".join(lines)

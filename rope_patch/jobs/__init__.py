@@ -51,7 +51,7 @@ JOBS: dict[str, Job] = {
         EvalConfig, run_eval, "perplexity of several methods at several lengths (tables, CSV/JSON, plots)",
         "Load the model once, patch in each method, score the same token windows at every length, and report "
         "token-weighted perplexity with a 95% bootstrap interval over documents. Protocols: truncate (each document "
-        "cut to its first L tokens, one forward) or sliding (every token scored once with up to L tokens of context). "
+        "cut to its first L tokens; a static method's shorter lengths are prefixes of one forward at the longest) or sliding (every token scored once with up to L tokens of context). "
         "Documents shorter than the longest length are skipped and counted. Each finished (method, length, document) "
         "is saved at once: rerun the same command to resume. Under 'accelerate launch' the windows are split across "
         "processes.",

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..eval.sweep import AS_LOADED, method_entries
-from ..kernels import KERNELS, KERNELS_HELP, check_kernels_available, kernels_applied, preferred_attention
+from ..eval.sweep import AS_LOADED, method_entries, tokenizer_fingerprint
+from ..kernels import (KERNELS, KERNELS_HELP, check_kernels_available, kernel_choice, kernels_applied,
+                       preferred_attention)
 from ..loading import default_attention, load_model, model_label
 from ..patching import native_length, set_native_length
 from .options import JobConfig, option
@@ -43,6 +44,13 @@ class SweepConfig(JobConfig):
     def validate(self) -> None:
         method_entries(None, self.method)  # a typo fails before anything is loaded
         check_kernels_available(self.kernels)
+
+    def setup(self, loaded: LoadedModel, **settings: Any) -> dict[str, Any]:
+        """The settings that key this job's finished rows, beside what the sweep reads from the model itself (its
+        fingerprint, dtype and attention implementation, :func:`~rope_patch.eval.sweep.model_setup`): the model's
+        name, its tokenizer, the kernels, the native length, and the job's own ``settings`` that change numbers."""
+        return {"model": loaded.label, "tokenizer": tokenizer_fingerprint(loaded.tokenizer),
+                "kernels": kernel_choice(self.kernels), "native_length": native_length(loaded.model), **settings}
 
 
 @dataclass

@@ -121,7 +121,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
                 "skipped": skipped, "seed": config.seed, "batch_size": config.batch_size,
                 "native_length": native_length(model), "processes": accelerator.num_processes,
                 "output": config.output}
-    setup = {"model": loaded.label, "dtype": loaded.dtype, "data": documents_fingerprint(corpus), "bos": protocol.bos}
+    setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
     store = None
     if config.output is not None:
         with accelerator.main_process_first():

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
-from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness
+from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_lengths, sweep_window
 from ..eval.harness_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
@@ -29,8 +29,9 @@ class LmEvalConfig(SweepConfig):
     tasks: list[str] = option([], "lm-eval task, group or tag names, comma-separated, e.g. niah_single_1,ruler_vt")
     include_path: str | None = option(None, "folder of task YAML files of your own (lm-eval's --include_path)")
     max_length: int | None = option(None, "longest model input in tokens, and the window of rolling perplexity "
-                                          "(default: each length of max_seq_lengths, else lm-eval's choice from the "
-                                          "model config)", tokens=True)
+                                          "(default: each length of max_seq_lengths, else the longest context the "
+                                          "methods extend to, factor × native length, the same for every method)",
+                                    tokens=True)
     batch_size: int = option(1, "requests per forward (1 scores each document at its own length under dynamic methods)")
     limit: float | None = option(None, "at most this many samples per task, per length in a length sweep (below 1: a "
                                        "fraction); for quick runs, not for reported scores")
@@ -109,18 +110,21 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
                                     native_length=config.native_length)
     settle_native_length(loaded.model, config.native_length)
+    window = config.max_length
+    if window is None and not sweep_lengths(config.metadata or {}):  # one window for every method, or a refusal
+        window = sweep_window(loaded.model, method_entries(loaded.model, config.method))
     store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
     with fast_path(loaded.model, config.kernels):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
-            max_length=config.max_length, batch_size=config.batch_size, limit=config.limit,
+            max_length=window, batch_size=config.batch_size, limit=config.limit,
             num_fewshot=config.num_fewshot, metadata=config.metadata, output=config.output, store=store,
-            model_name=loaded.label, catalog=catalog, progress=config.progress,
+            setup=config.setup(loaded), model_name=loaded.label, catalog=catalog, progress=config.progress,
         )
     rows = summarize(records)
     settings = {"model": loaded.label, "dtype": loaded.dtype,
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
-                "include_path": config.include_path, "max_length": config.max_length, "batch_size": config.batch_size,
+                "include_path": config.include_path, "max_length": window, "batch_size": config.batch_size,
                 "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.metadata,
                 "native_length": native_length(loaded.model), "output": config.output}
     files = {}

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tqdm.auto import tqdm
-
 from ..eval.passkey import KEY_FIELDS, check_grid, evaluate_passkey
 from ..eval.passkey_report import format_table, write_reports
 from ..eval.store import ResultStore
@@ -68,12 +66,10 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
                                     native_length=config.native_length)
     settle_native_length(loaded.model, config.native_length)
     store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
-    if store is not None and len(store) and config.progress:
-        tqdm.write(f"resuming: {len(store)} finished trials in {store.path}")
     with fast_path(loaded.model, config.kernels):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
-                                   model_name=loaded.label, progress=config.progress)
+                                   setup=config.setup(loaded), progress=config.progress)
     settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
                 "lengths": config.lengths, "depths": config.depths, "trials": config.trials, "seed": config.seed,
                 "max_new_tokens": config.max_new_tokens, "dtype": loaded.dtype,

@@ -170,6 +170,52 @@ def test_other_settings_are_run_again(tasks_dir, tmp_path, count_runs):
     assert count_runs["calls"] == 3
 
 
+def test_dtype_and_batch_size_are_keyed(tiny_folder, tasks_dir, tmp_path, count_runs, capsys):
+    options = dict(model=str(tiny_folder[0]), method=["none"], tasks=["tiny_rolling"], include_path=str(tasks_dir),
+                   output=str(tmp_path / "o"), max_length=128, progress=False)
+    first = rope_patch.run_lm_eval(**options, dtype="fp32")
+    rope_patch.run_lm_eval(**options, dtype="fp32")
+    assert count_runs["calls"] == 1
+    again = rope_patch.run_lm_eval(**options, dtype="bf16")
+    assert count_runs["calls"] == 2 and again.records[0]["setup"]["dtype"] == "bfloat16"
+    assert "rows of other settings (differing in dtype)" in capsys.readouterr().err
+    rope_patch.run_lm_eval(**options, dtype="fp32", batch_size=2)  # lm-eval pads a batch: other numbers
+    assert count_runs["calls"] == 3 and first.records[0]["setup"]["batch_size"] == 1
+
+
+# ----------------------------------------------------------------------------------------------- the window
+
+
+def test_the_default_window_is_the_sweeps_extended_context_for_every_method(tasks_dir, tmp_path):
+    """Without --max-length every method is scored at the longest context the sweep extends to (yarn ×2: 128, twice
+    the native 64), `none` included: equal to lm-eval's own `--model hf` at max_length 128 on saved checkpoints."""
+    from lm_eval.tasks import TaskManager
+
+    model, tokenizer = build_model(tiny_llama_config()), make_char_tokenizer()
+    ours = rope_patch.run_lm_eval(model=model, tokenizer=tokenizer, method=["none", "yarn:factor=2"],
+                                  tasks=["tiny_rolling"], include_path=str(tasks_dir), output=None, progress=False)
+    assert ours.settings["max_length"] == 128 and {r["max_length"] for r in ours.rows} == {128}
+    for spec in ("none", "yarn:factor=2"):
+        name, params = rope_patch.parse_method_spec(spec)
+        with rope_patch.patched(model, name, **params):
+            model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        theirs = lm_eval.simple_evaluate(
+            model="hf", model_args={"pretrained": str(tmp_path / name), "dtype": "float32", "max_length": 128,
+                                    "device": "cpu"},
+            tasks=["tiny_rolling"], task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False))
+        expected = theirs["results"]["tiny_rolling"]["word_perplexity,none"]
+        got = [r["value"] for r in ours.rows if r["method"] == spec and r["metric"] == "word_perplexity"]
+        assert got == [pytest.approx(expected, rel=1e-4)], spec
+
+
+def test_a_method_without_an_extended_context_asks_for_max_length(tiny_folder, tasks_dir, tmp_path, capsys):
+    code = main(["lm-eval", "--model", str(tiny_folder[0]), "--method", "none", "--method", "rerope:window=16",
+                 "--tasks", "tiny_rolling", "--include-path", str(tasks_dir), "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar, before any lm-eval run
+    assert code == 2 and "rerope:window=16" in err and "--max-length" in err and "Traceback" not in err
+
+
 # ----------------------------------------------------------------------------------------------- generation
 
 
@@ -287,4 +333,4 @@ def test_length_indexed_metrics_become_rows_per_length():
         "alias": "niah_single_1", "4096,none": -1, "8192,none": 0.75, "8192_stderr,none": "N/A"}},
         "n-samples": {"niah_single_1": {"original": 500, "effective": 4}}}
     assert summarize([record]) == [{"method": "none", "task": "niah_single_1", "metric": "score", "length": 8192,
-                                    "value": 0.75, "stderr": None, "samples": 4}]
+                                    "value": 0.75, "stderr": None, "samples": 4, "max_length": None}]

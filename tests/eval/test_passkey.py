@@ -245,7 +245,7 @@ def test_the_command_runs_resumes_and_writes_everything(char_tokenizer, tmp_path
     assert {p.name for p in out.iterdir()} >= {"summary.csv", "summary.json", "accuracy_vs_length.png",
                                                "heatmap_none.png", "heatmap_yarn_factor2.png"}
     assert main(argv) == 0
-    assert "resuming: 8 finished trials" in capsys.readouterr().out
+    assert "resuming, 8 of 8 finished" in capsys.readouterr().err
     assert len((out / "results.jsonl").read_text().splitlines()) == 8
 
 
