@@ -79,9 +79,14 @@ def default_gguf_path() -> Path:
     return path
 
 
+def default_model_folder() -> Path:
+    """Where the safetensors copy of the default model lives (whether converted yet or not)."""
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
 def default_model_dir() -> Path:
     """The safetensors copy of the default model, converted from its GGUF file on first use."""
-    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    target = default_model_folder()
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     gguf = default_gguf_path()
@@ -109,8 +114,10 @@ def model_path(name_or_path: str | os.PathLike | None) -> str | Path:
 
 
 def model_label(name_or_path: str | os.PathLike | None) -> str:
-    """How reports name a model: its hub id or folder, or the embedded default."""
-    return str(name_or_path) if name_or_path not in (None, "", "default") else DEFAULT_MODEL_LABEL
+    """How reports name a model: its hub id or folder, or the embedded default (by name, or loaded from its folder)."""
+    if name_or_path in (None, "", "default") or Path(name_or_path) == default_model_folder():
+        return DEFAULT_MODEL_LABEL
+    return str(name_or_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------

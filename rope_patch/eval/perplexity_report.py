@@ -74,7 +74,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if shared:
         lines.append(f"shared forward: {', '.join(shared)} scored the shorter lengths as prefixes of each document's "
                      "longest forward (summary.csv: shared_forward)")
-    lines.append(f"{_protocol_of(rows)}; {documents} documents ({rows[0]['skipped']} skipped as too short); "
+    plural = "s" if documents != 1 else ""
+    lines.append(f"{_protocol_of(rows)}; {documents} document{plural} ({rows[0]['skipped']} skipped as too short); "
                  "95% intervals in summary.csv")
     return "\n".join(lines)
 

@@ -76,7 +76,8 @@ def split_loaded(options: dict[str, Any]) -> tuple[dict[str, Any], LoadedModel |
         return options, None
     if tokenizer is None:
         raise ConfigError("a loaded model needs its tokenizer too: pass tokenizer=")
-    label = getattr(model, "name_or_path", "") or type(model).__name__
+    name = getattr(model, "name_or_path", "")
+    label = model_label(name) if name else type(model).__name__
     return {**options, "model": label}, LoadedModel(model, tokenizer, label)
 
 

@@ -70,3 +70,15 @@ def test_demo_runs_every_part_and_a_rerun_resumes(tmp_path):
     assert [r["perplexity"] for r in second.eval.rows] == [r["perplexity"] for r in first.eval.rows]
     assert [json.dumps(r, sort_keys=True) for r in second.passkey.records] == \
         [json.dumps(r, sort_keys=True) for r in first.passkey.records]
+
+
+def test_a_loaded_embedded_model_is_named_as_the_embedded_default(tiny_llama, char_tokenizer):
+    """The demo hands its loaded model to each part: reports name it as the embedded default, not its cache folder."""
+    from rope_patch.jobs.common import split_loaded
+    from rope_patch.loading import DEFAULT_MODEL_LABEL, default_model_folder
+
+    tiny_llama.name_or_path = str(default_model_folder())
+    options, loaded = split_loaded({"model": tiny_llama, "tokenizer": char_tokenizer})
+    assert options["model"] == loaded.label == DEFAULT_MODEL_LABEL
+    tiny_llama.name_or_path = "/somewhere/else"
+    assert split_loaded({"model": tiny_llama, "tokenizer": char_tokenizer})[1].label == "/somewhere/else"
