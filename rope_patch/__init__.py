@@ -30,10 +30,12 @@ from .jobs import (
     InspectConfig,
     LmEvalConfig,
     PasskeyConfig,
+    SearchConfig,
     run_eval,
     run_inspect,
     run_lm_eval,
     run_passkey,
+    run_search,
 )
 from .jobs.finetune import finetune
 from .loading import from_pretrained, load_default_model, load_model
@@ -58,5 +60,6 @@ __all__ = [
     "RopeBase", "RopePatchError", "UnknownMethodError", "UnsupportedModelError", "available_methods", "current_patch", "evaluate",
     "evaluate_passkey", "finetune", "fixed_length", "from_pretrained", "load_default_model", "load_model",
     "method_label", "native_length", "native_length_source", "parse_method_spec", "patch", "patched",
-    "register_method", "run_eval", "run_inspect", "run_lm_eval", "run_passkey", "set_native_length", "unpatch",
+    "register_method", "run_eval", "run_inspect", "run_lm_eval", "run_passkey", "run_search", "SearchConfig",
+    "set_native_length", "unpatch",
 ]

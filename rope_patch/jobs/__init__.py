@@ -9,6 +9,7 @@ eval        EvalConfig           run_eval             perplexity of methods × l
 passkey     PasskeyConfig        run_passkey          passkey retrieval of methods × lengths × depths
 lm-eval     LmEvalConfig         run_lm_eval          any lm-evaluation-harness task (RULER, ...) per method
 finetune    FinetuneConfig       finetune             train an extended checkpoint (full or LoRA, accelerate)
+search      SearchConfig         run_search           LongRoPE's evolutionary search for per-pair factors
 ==========  ===================  ===================  ==========================================================
 """
 
@@ -25,6 +26,7 @@ from .inspect import InspectConfig, InspectResult, run_inspect
 from .lm_eval import LmEvalConfig, LmEvalResult, run_lm_eval
 from .options import JobConfig
 from .passkey import PasskeyConfig, PasskeyResult, run_passkey
+from .search import SearchConfig, SearchResult, run_search
 
 
 @dataclass(frozen=True)
@@ -81,10 +83,22 @@ JOBS: dict[str, Job] = {
         "configs/accelerate/ddp.yaml -m rope_patch finetune ...'. Checkpoints every --save-every steps hold the "
         "optimizer, scheduler, data position and RNG: --resume continues to the same result.",
         "rope-patch finetune --method linear:factor=2 --seq-len 16k --steps 200 --output runs/smollm2-16k"),
+    "search": Job(
+        SearchConfig, run_search, "search one RoPE factor per pair for a target length, as LongRoPE does, and save "
+        "them as transformers' longrope",
+        "LongRoPE's evolutionary search (population 64, 40 iterations of 16 mutations and 16 crossovers, the best 32 "
+        "kept; monotone factors within [1, 1 + s] on a 0.01 grid, starting from YaRN's), each candidate scored as "
+        "the longrope method by its perplexity on --documents held-in documents truncated to --target-length. "
+        "--candidates sets the budget (LongRoPE's sizes scale with it). Each scored candidate is saved at once: "
+        "rerun the same command to resume. Writes the best factors as a method spec (--method "
+        "@OUTPUT/best_method.json for patch, eval and finetune), the rope_parameters plain transformers loads, "
+        "plots of the factors and of the fitness, and a table of the searched factors against linear, ntk, yarn "
+        "and ntk_by_parts on held-out documents.",
+        "rope-patch search --target-length 16k --candidates 24 --documents 1 --heldout _pydecimal.py"),
 }
 
 __all__ = [
     "JOBS", "EvalConfig", "EvalResult", "FinetuneConfig", "FinetuneResult", "InspectConfig", "InspectResult", "Job",
     "JobConfig", "LmEvalConfig", "LmEvalResult", "PasskeyConfig", "PasskeyResult", "run_eval", "run_finetune",
-    "run_inspect", "run_lm_eval", "run_passkey",
+    "run_inspect", "run_lm_eval", "run_passkey", "SearchConfig", "SearchResult", "run_search",
 ]
