@@ -27,7 +27,8 @@ from ..eval.perplexity import KEY_FIELDS, Protocol, check_chunked_loss
 from ..eval.search import CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, transformers_snippet
 from ..eval.search_report import format_table, write_reports
 from ..eval.store import ResultStore
-from ..methods.evolution import LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget, yarn_factors
+from ..methods.evolution import (LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget,
+                                 yarn_factors)
 from ..patching import native_length, primary_rotary, rotary_setup
 from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
 from .eval import BOS_CHOICES
@@ -69,7 +70,8 @@ class SearchConfig(SweepConfig):
     crossover_probability: float = option(0.3, "probability that a crossover considers a pair (LongRoPE: 0.3)")
     step: float = option(0.01, "grid of mutated factors (LongRoPE: 0.01)")
     seed: int = option(0, "seed of the search and of the document sample")
-    bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer", choices=tuple(BOS_CHOICES))
+    bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer",
+                      choices=tuple(BOS_CHOICES))
     loss_chunk: int = option(1024, "tokens per slice through the output head")
     output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
                                                "transformers_config.json, the table and plots (none with output=None)")
@@ -79,7 +81,8 @@ class SearchConfig(SweepConfig):
         if self.documents < 1 or self.heldout_documents < 0 or self.loss_chunk < 1:
             raise ConfigError("--documents and --loss-chunk must be positive, --heldout-documents not negative")
         if self.factor is not None and self.factor <= 1:
-            raise ConfigError(f"--factor {self.factor}: give a scale factor above 1, or leave it out for target / native")
+            raise ConfigError(f"--factor {self.factor}: give a scale factor above 1, or leave it out for "
+                              "target / native")
         if self.candidates is not None and self.candidates < 1:
             raise ConfigError(f"--candidates {self.candidates}: give a positive budget")
         for name in ("iterations", "population", "parents", "mutations", "crossovers"):
@@ -179,7 +182,8 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=next(model.parameters()).device)[None]
     check_chunked_loss(model, probe)
 
-    settings = {"model": loaded.label, "dtype": loaded.dtype, "data": config.dataset or "stdlib (embedded default corpus)",
+    settings = {"model": loaded.label, "dtype": loaded.dtype,
+                "data": config.dataset or "stdlib (embedded default corpus)",
                 "native_length": native_length(model), "target_length": config.target_length, "factor": factor,
                 "heldin": [d.id for d in heldin], "heldout": [d.id for d in heldout], "bos": protocol.bos,
                 "evolution": asdict(config.evolution()), "candidates": config.candidates, "seed": config.seed,

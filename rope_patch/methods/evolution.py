@@ -188,9 +188,9 @@ class _Stop(Exception):
         self.reason = reason
 
 
-def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float], *, upper: float, settings: Evolution = LONGROPE,
-           seed: int = 0, candidates: int | None = None, on_scored: Callable[[Scored], None] | None = None
-           ) -> SearchTrace:
+def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float], *, upper: float,
+           settings: Evolution = LONGROPE, seed: int = 0, candidates: int | None = None,
+           on_scored: Callable[[Scored], None] | None = None) -> SearchTrace:
     """LongRoPE's search from ``initial`` factors, within [1, ``upper``] (1 + s in LongRoPE), lower fitness better.
 
     Stops after ``settings.iterations`` iterations, or once ``candidates`` have been scored, or when no new candidate
@@ -198,7 +198,8 @@ def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float], *, 
     settings.check()
     start = np.round(np.asarray(initial, dtype=np.float64), DECIMALS)
     if start.ndim != 1 or not is_valid(start, upper):
-        raise InvalidParameterError(f"the starting factors must be one list, monotone non-decreasing within [1, {upper}]")
+        raise InvalidParameterError(f"the starting factors must be one list, monotone non-decreasing within "
+                                    f"[1, {upper}]")
     limit = settings.candidates if candidates is None else min(candidates, settings.candidates)
     rng = np.random.default_rng(seed)
     seen: set = set()

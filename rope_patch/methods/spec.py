@@ -80,7 +80,7 @@ def parse_method_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any
     return parse_single_spec(spec)
 
 
-SPEC_FILE = "@"  # "@best_method.json": a spec in the mapping form, read from a JSON file (what `rope-patch search` writes)
+SPEC_FILE = "@"  # "@best_method.json": a mapping spec read from a JSON file (what `rope-patch search` writes)
 
 
 def read_spec_file(spec: str) -> dict[str, Any]:
@@ -94,7 +94,8 @@ def read_spec_file(spec: str) -> dict[str, Any]:
         raise InvalidParameterError(f"method spec {spec!r}: cannot read {path!r} ({error.strerror or error}); "
                                     "give @FILE with a JSON spec, e.g. @runs/search/best_method.json") from None
     except json.JSONDecodeError as error:
-        raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not JSON ({error.msg} at line {error.lineno})") from None
+        raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not JSON ({error.msg} at line "
+                                    f"{error.lineno})") from None
     if not isinstance(value, dict):
         raise InvalidParameterError(f"method spec {spec!r}: {path!r} must hold one JSON object, "
                                     'e.g. {"name": "longrope", "long_factor": [...], ...}')
