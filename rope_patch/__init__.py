@@ -25,15 +25,19 @@ from .errors import (
 from .eval.passkey import evaluate_passkey
 from .eval.perplexity import evaluate
 from .jobs import (
+    DemoConfig,
     EvalConfig,
     FinetuneConfig,
     InspectConfig,
     LmEvalConfig,
     PasskeyConfig,
+    SearchConfig,
+    run_demo,
     run_eval,
     run_inspect,
     run_lm_eval,
     run_passkey,
+    run_search,
 )
 from .jobs.finetune import finetune
 from .loading import from_pretrained, load_default_model, load_model
@@ -53,10 +57,11 @@ from .patching import (
 __version__ = "0.2.0"
 
 __all__ = [
-    "ConfigError", "DataError", "EvalConfig", "FinetuneConfig", "InspectConfig", "InvalidParameterError", "LmEvalConfig",
+    "ConfigError", "DataError", "DemoConfig", "EvalConfig", "FinetuneConfig", "InspectConfig", "InvalidParameterError", "LmEvalConfig",
     "Method", "MissingExtraError", "ModelNotFoundError", "NativeLengthError", "Param", "PasskeyConfig", "PatchReport",
     "RopeBase", "RopePatchError", "UnknownMethodError", "UnsupportedModelError", "available_methods", "current_patch", "evaluate",
     "evaluate_passkey", "finetune", "fixed_length", "from_pretrained", "load_default_model", "load_model",
     "method_label", "native_length", "native_length_source", "parse_method_spec", "patch", "patched",
-    "register_method", "run_eval", "run_inspect", "run_lm_eval", "run_passkey", "set_native_length", "unpatch",
+    "register_method", "run_demo", "run_eval", "run_inspect", "run_lm_eval", "run_passkey", "run_search", "SearchConfig",
+    "set_native_length", "unpatch",
 ]

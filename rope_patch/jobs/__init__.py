@@ -10,6 +10,7 @@ passkey     PasskeyConfig        run_passkey          passkey retrieval of metho
 lm-eval     LmEvalConfig         run_lm_eval          any lm-evaluation-harness task (RULER, ...) per method
 finetune    FinetuneConfig       finetune             train an extended checkpoint (full or LoRA, accelerate)
 demo        DemoConfig           run_demo             inspect, eval and passkey of the embedded model, sized to the machine
+search      SearchConfig         run_search           LongRoPE's evolutionary search for per-pair factors
 ==========  ===================  ===================  ==========================================================
 """
 
@@ -27,6 +28,7 @@ from .inspect import InspectConfig, InspectResult, run_inspect
 from .lm_eval import LmEvalConfig, LmEvalResult, run_lm_eval
 from .options import JobConfig
 from .passkey import PasskeyConfig, PasskeyResult, run_passkey
+from .search import SearchConfig, SearchResult, run_search
 
 
 @dataclass(frozen=True)
@@ -86,16 +88,28 @@ JOBS: dict[str, Job] = {
     "demo": Job(
         DemoConfig, run_demo, "what `make demo` runs: inspect, perplexity and passkey on a grid sized to this machine",
         "Load the model once (the embedded SmolLM2-135M by default), measure this machine's matmul and attention "
-        "speed, and run the largest grid whose estimated time fits --time-budget (--grid full, medium or small picks "
+        "speed, and run the largest grid whose estimated time fits --time-budget (--grid full, medium, small or minimal picks "
         "one): the RoPE pair by pair before and after yarn x2; perplexity of none, linear, ntk and yarn at factor 2 "
         "up to twice the native length (one forward per method and document gives every length); passkey retrieval "
         "at the native length and at twice it. The plan and its estimate are printed first; results are saved as "
         "they finish under --output, so a rerun resumes.",
         "rope-patch demo --grid full"),
+    "search": Job(
+        SearchConfig, run_search, "search one RoPE factor per pair for a target length, as LongRoPE does, and save "
+        "them as transformers' longrope",
+        "LongRoPE's evolutionary search (population 64, 40 iterations of 16 mutations and 16 crossovers, the best 32 "
+        "kept; monotone factors within [1, 1 + s] on a 0.01 grid, starting from YaRN's), each candidate scored as "
+        "the longrope method by its perplexity on --documents held-in documents truncated to --target-length. "
+        "--candidates sets the budget (LongRoPE's sizes scale with it). Each scored candidate is saved at once: "
+        "rerun the same command to resume. Writes the best factors as a method spec (--method "
+        "@OUTPUT/best_method.json for patch, eval and finetune), the rope_parameters plain transformers loads, "
+        "plots of the factors and of the fitness, and a table of the searched factors against linear, ntk, yarn "
+        "and ntk_by_parts on held-out documents.",
+        "rope-patch search --target-length 16k --candidates 24 --documents 1 --heldout _pydecimal.py"),
 }
 
 __all__ = [
     "JOBS", "DemoConfig", "DemoResult", "EvalConfig", "EvalResult", "FinetuneConfig", "FinetuneResult", "InspectConfig", "InspectResult", "Job",
     "JobConfig", "LmEvalConfig", "LmEvalResult", "PasskeyConfig", "PasskeyResult", "run_eval", "run_finetune",
-    "run_demo", "run_inspect", "run_lm_eval", "run_passkey",
+    "run_demo", "run_inspect", "run_lm_eval", "run_passkey", "SearchConfig", "SearchResult", "run_search",
 ]

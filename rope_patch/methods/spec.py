@@ -1,9 +1,11 @@
 """Method specs as written on the command line and in YAML: ``"yarn:factor=4,beta_fast=32"`` or
-``{"name": "yarn", "factor": 4}``, a frequency method combined with an attention method
+``{"name": "yarn", "factor": 4}`` (or that mapping in a JSON file, ``"@best_method.json"``), a frequency method combined with an attention method
 (``"yarn:factor=2+self_extend:group=8,window=1024"``), and the canonical label a spec is reported under."""
 
 from __future__ import annotations
 
+import ast
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -65,7 +67,7 @@ def frequency_and_attention(method: str, params: Mapping[str, Any] | None = None
     """The frequency part and the attention part of a method (name + keyword params, a spec, or a combination);
     None where there is none."""
     params = dict(params or {})
-    if not (COMBINE.search(method) or ":" in method):
+    if not (COMBINE.search(method) or ":" in method or method.strip().startswith(SPEC_FILE)):
         parts = [(method, params)]
     elif params:
         raise InvalidParameterError(f"{method}: give the parameters in the spec or as keywords, not both, "
@@ -84,7 +86,31 @@ def parse_method_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any
     return parse_single_spec(spec)
 
 
+SPEC_FILE = "@"  # "@best_method.json": a mapping spec read from a JSON file (what `rope-patch search` writes)
+
+
+def read_spec_file(spec: str) -> dict[str, Any]:
+    """The mapping spec held by the JSON file ``spec`` names (``"@runs/search/best_method.json"``): long per-pair
+    lists such as longrope's factors go to the command line, YAML and Python as one short argument."""
+    path = spec.strip()[len(SPEC_FILE):]
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as error:
+        raise InvalidParameterError(f"method spec {spec!r}: cannot read {path!r} ({error.strerror or error}); "
+                                    "give @FILE with a JSON spec, e.g. @runs/search/best_method.json") from None
+    except json.JSONDecodeError as error:
+        raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not JSON ({error.msg} at line "
+                                    f"{error.lineno})") from None
+    if not isinstance(value, dict):
+        raise InvalidParameterError(f"method spec {spec!r}: {path!r} must hold one JSON object, "
+                                    'e.g. {"name": "longrope", "long_factor": [...], ...}')
+    return value
+
+
 def parse_single_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    if not isinstance(spec, Mapping) and str(spec).strip().startswith(SPEC_FILE):
+        spec = read_spec_file(str(spec))
     if isinstance(spec, Mapping):
         params = dict(spec)
         name = params.pop("name", params.pop("method", None))

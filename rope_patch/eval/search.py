@@ -1,0 +1,110 @@
+"""LongRoPE's search on a model: each candidate's fitness is the model's perplexity with the candidate as its
+``longrope`` long factors, and the found factors against the hand-tuned methods on documents the search never saw.
+
+The search itself is pure maths (:mod:`rope_patch.methods.evolution`); this module scores candidates with the
+perplexity loop every other evaluation uses (:func:`rope_patch.eval.perplexity.evaluate`, truncate protocol at the
+target length: one forward per document), so the fitness is exactly the number ``rope-patch eval`` reports for the
+same factors. Every scored candidate is written at once to its own store, keyed by the factors and by everything else
+that changes the score (model, dtype, documents, target, factor, BOS, attention, kernels): a rerun scores nothing
+twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from ..data import TokenizedDocument
+from ..errors import RopePatchError
+from ..patching import patched
+from .perplexity import Protocol, evaluate, perplexity
+from .store import ResultStore, record_key
+from .sweep import method_entries
+
+CANDIDATE_FIELDS = ("setup", "long_factor")  # the identity of a scored candidate in the search's store
+
+
+def longrope_spec(long_factor: Sequence[float], *, factor: float, native_length: int,
+                  short_factor: Sequence[float] | None = None) -> dict[str, Any]:
+    """The ``longrope`` method spec (mapping form) of searched long factors; short factors all ones unless given."""
+    long_factor = [float(f) for f in long_factor]
+    return {"name": "longrope", "short_factor": [float(f) for f in short_factor or [1.0] * len(long_factor)],
+            "long_factor": long_factor, "factor": float(factor), "original_max_position_embeddings": int(native_length)}
+
+
+class CandidateScorer:
+    """fitness(factors) = token-weighted perplexity of ``documents`` at ``target`` tokens with ``longrope`` (long
+    factors = the candidate), read from ``store`` when this candidate was scored before under the same ``setup``."""
+
+    def __init__(self, model: nn.Module, documents: Sequence[TokenizedDocument], target: int, protocol: Protocol, *,
+                 factor: float, native_length: int, store: ResultStore | None, setup: Mapping[str, Any],
+                 loss_chunk: int = 1024):
+        self.model, self.documents, self.target, self.protocol = model, documents, int(target), protocol
+        self.factor, self.native_length, self.loss_chunk = float(factor), int(native_length), loss_chunk
+        self.store, self.setup = store, dict(setup)
+        self.known = store.by_key() if store is not None else {}
+        self.computed = 0  # candidates scored by this process (the rest came from the store)
+
+    def spec(self, factors: Sequence[float]) -> dict[str, Any]:
+        return longrope_spec(factors, factor=self.factor, native_length=self.native_length)
+
+    def record(self, factors: Sequence[float]) -> dict[str, Any] | None:
+        """The stored record of a candidate, or None."""
+        probe = {"setup": self.setup, "long_factor": [float(f) for f in factors]}
+        return self.known.get(record_key(probe, CANDIDATE_FIELDS))
+
+    def __call__(self, factors: np.ndarray) -> float:
+        factors = [float(f) for f in factors]
+        stored = self.record(factors)
+        if stored is not None:
+            return float(stored["perplexity"])
+        records, failures = evaluate(self.model, self.documents, [self.spec(factors)], [self.target], self.protocol,
+                                     loss_chunk=self.loss_chunk, progress=False)
+        if failures or len(records) != len(self.documents):
+            reason = failures[0].reason if failures else "a document was not scored"
+            raise RopePatchError(f"search: a candidate could not be scored at {self.target:,} tokens ({reason}); "
+                                 "try --dtype bf16, fewer --documents or a shorter --target-length")
+        nll, tokens = sum(r["nll"] for r in records), sum(r["tokens"] for r in records)
+        record = {"setup": self.setup, "long_factor": factors, "perplexity": perplexity(nll, tokens), "nll": nll,
+                  "tokens": tokens, "documents": {r["document"]: [r["nll"], r["tokens"]] for r in records}}
+        if self.store is not None:
+            self.store.append(record)
+        self.known[record_key(record, CANDIDATE_FIELDS)] = record
+        self.computed += 1
+        return float(record["perplexity"])
+
+
+def compare_methods(model: nn.Module, documents: Sequence[TokenizedDocument], methods: Mapping[str, Any],
+                    target: int, protocol: Protocol, *, store: ResultStore | None = None,
+                    setup: Mapping[str, Any] | None = None, loss_chunk: int = 1024, progress: bool = True
+                    ) -> list[dict[str, Any]]:
+    """Perplexity of each method (``{display name: spec}``) on ``documents`` at ``target`` tokens; one row each, in
+    order: ``{"method", "spec", "perplexity", "documents", "tokens", "status"}``. Resumable through ``store``."""
+    records, failures = evaluate(model, documents, list(methods.values()), [target], protocol, loss_chunk=loss_chunk,
+                                 store=store, setup=setup, progress=progress)
+    failed = {f.method: f.reason for f in failures}
+    rows = []
+    for name, entry in zip(methods, method_entries(model, list(methods.values()))):
+        label = entry.label
+        cell = list({r["document"]: r for r in records if r["method"] == label}.values())  # a spec given twice: once
+        nll, tokens = sum(r["nll"] for r in cell), sum(r["tokens"] for r in cell)
+        status = "ok" if len(cell) == len(documents) else f"failed: {failed.get(label, 'missing')}"
+        rows.append({"method": name, "spec": label, "perplexity": perplexity(nll, tokens) if cell else math.nan,
+                     "documents": len(cell), "tokens": int(tokens), "status": status})
+    return rows
+
+
+def transformers_snippet(model: nn.Module, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``config.json`` says after patching ``model`` with ``spec`` (``rope_parameters`` and
+    ``max_position_embeddings``, as ``save_pretrained`` writes them): merged into the model's own config.json, plain
+    transformers loads the searched model. The model is left as it was."""
+    params = {k: v for k, v in spec.items() if k != "name"}
+    with patched(model, spec["name"], **params):
+        config = model.config
+        return {"rope_parameters": dict(config.rope_parameters),
+                "max_position_embeddings": int(config.max_position_embeddings)}
+

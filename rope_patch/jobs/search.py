@@ -1,0 +1,248 @@
+"""The ``search`` job: LongRoPE's evolutionary search for per-pair factors on any model, saved as transformers'
+``longrope``.
+
+Every frequency method tunes its formula by hand (PI's one factor, NTK's base, YaRN's β ramp); LongRoPE (Ding et al.
+2024, arXiv:2402.13753) searches one factor per pair instead, the model's own perplexity as the fitness, with no
+training. The search is :mod:`rope_patch.methods.evolution`; each candidate is scored as the ``longrope`` method by
+the perplexity loop of ``rope-patch eval`` (:mod:`rope_patch.eval.search`), on held-in documents at the target
+length. The found factors are written as a method spec that ``patch``, ``eval`` and ``finetune`` take
+(``--method @OUTPUT/best_method.json``) and as the ``rope_parameters`` plain transformers loads, then compared with
+the hand-tuned methods at the same factor on held-out documents the search never saw.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..data import documents_fingerprint, load_documents, resolve_bos, select_documents, tokenize_documents
+from ..errors import ConfigError, DataError
+from ..eval.perplexity import KEY_FIELDS, Protocol, check_chunked_loss
+from ..eval.search import CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, transformers_snippet
+from ..eval.search_report import format_table, write_reports
+from ..eval.store import ResultStore
+from ..methods.evolution import (LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget,
+                                 yarn_factors)
+from ..patching import native_length, primary_rotary, rotary_setup
+from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .eval import BOS_CHOICES
+from .options import option
+
+COMPARED = ("linear", "ntk", "yarn", "ntk_by_parts")  # the hand-tuned methods of the held-out table
+
+
+@dataclass
+class SearchConfig(SweepConfig):
+    """Every choice of a search. Field names are the ``rope-patch search`` options and the YAML keys."""
+
+    command: ClassVar[str] = "search"
+
+    method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
+                                   "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",
+                               repeat=True, split=False, metavar="SPEC")
+    target_length: int = option(16384, "the length the factors are searched for (beyond the native length), e.g. 16k",
+                                tokens=True)
+    factor: float | None = option(None, "scale factor s: LongRoPE's attention factor sqrt(1 + ln s / ln L), factors "
+                                        "within [1, 1 + s], YaRN's starting factors (default: target / native length)")
+    dataset: str | None = option(None, "documents, the sources of 'rope-patch eval' (default: the embedded corpus)")
+    split: str | None = option(None, "split of a hub data set (default: test)")
+    subset: str | None = option(None, "configuration name of a hub data set, if it has several")
+    text_field: str = option("text", "field holding the text in .jsonl/.parquet/hub rows")
+    documents: int = option(5, "held-in documents: the fitness is their perplexity at the target length (LongRoPE: 5)")
+    heldout_documents: int = option(5, "held-out documents of the final table, never seen by the search (0: no table)")
+    heldout: list[str] = option([], "ids of the held-out documents (default: --heldout-documents sampled with --seed "
+                                    "from those not searched on)", metavar="IDS")
+    candidates: int | None = option(None, "budget: candidates to score (default: LongRoPE's full search, 64 + 40 x 32 "
+                                          "= 1,344); population, parents, mutations, crossovers and iterations not "
+                                          "given scale with it as LongRoPE's proportions")
+    iterations: int | None = option(None, "iterations after the starting population (LongRoPE: 40)")
+    population: int | None = option(None, "starting population: YaRN's factors and mutations of them (LongRoPE: 64)")
+    parents: int | None = option(None, "best candidates kept at each iteration (LongRoPE: 32)")
+    mutations: int | None = option(None, "new candidates per iteration by mutation (LongRoPE: 16)")
+    crossovers: int | None = option(None, "new candidates per iteration by crossover (LongRoPE: 16)")
+    mutation_probability: float = option(0.3, "probability that a mutation resamples a pair (LongRoPE: 0.3)")
+    crossover_probability: float = option(0.3, "probability that a crossover considers a pair (LongRoPE: 0.3)")
+    step: float = option(0.01, "grid of mutated factors (LongRoPE: 0.01)")
+    seed: int = option(0, "seed of the search and of the document sample")
+    bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer",
+                      choices=tuple(BOS_CHOICES))
+    loss_chunk: int = option(1024, "tokens per slice through the output head")
+    output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
+                                               "transformers_config.json, the table and plots (none with output=None)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.documents < 1 or self.heldout_documents < 0 or self.loss_chunk < 1:
+            raise ConfigError("--documents and --loss-chunk must be positive, --heldout-documents not negative")
+        if self.factor is not None and self.factor <= 1:
+            raise ConfigError(f"--factor {self.factor}: give a scale factor above 1, or leave it out for "
+                              "target / native")
+        if self.candidates is not None and self.candidates < 1:
+            raise ConfigError(f"--candidates {self.candidates}: give a positive budget")
+        for name in ("iterations", "population", "parents", "mutations", "crossovers"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"--{name} {getattr(self, name)}: give a whole number, at least 0")
+        try:
+            self.evolution().check()
+        except Exception as error:
+            raise ConfigError(str(error)) from None
+
+    def evolution(self) -> Evolution:
+        """LongRoPE's settings, scaled to --candidates, with the sizes given replacing theirs."""
+        settings = scaled_to_budget(self.candidates) if self.candidates else LONGROPE
+        given = {k: getattr(self, k) for k in ("iterations", "population", "parents", "mutations", "crossovers")
+                 if getattr(self, k) is not None}
+        settings = replace(settings, **given, mutation_probability=self.mutation_probability,
+                           crossover_probability=self.crossover_probability, step=self.step)
+        if self.candidates and "iterations" not in given:  # enough iterations to spend the budget
+            per_iteration = settings.mutations + settings.crossovers
+            needed = -(-max(0, self.candidates - settings.population) // per_iteration) if per_iteration else 0
+            settings = replace(settings, iterations=needed)
+        return settings
+
+
+@dataclass
+class SearchResult:
+    """What :func:`run_search` found: the best factors, their spec, the held-out table, the trace and the files."""
+
+    best: Scored
+    spec: dict[str, Any]
+    snippet: dict[str, Any]
+    rows: list[dict]
+    trace: SearchTrace
+    files: dict[str, Path]
+    table: str
+    settings: dict[str, Any]
+
+    def __str__(self) -> str:
+        s, t = self.settings, self.trace
+        text = (f"longrope search, {s['model']} ({s['dtype']}), native length {s['native_length']:,}, target "
+                f"{s['target_length']:,} (factor {s['factor']:g}): {len(t.scored)} candidates ({t.stopped}), best "
+                f"held-in perplexity {self.best.fitness:.3f}\nlong_factor {list(self.best.factors)}")
+        if self.table:
+            text += f"\n\n{self.table}"
+        if self.files:
+            text += (f"\n\nuse it: --method @{s['output']}/best_method.json (patch, eval, finetune); files: "
+                     f"{', '.join(map(str, self.files.values()))}")
+        return text
+
+
+def choose_documents(tokenized, min_tokens: int, config: SearchConfig) -> tuple[list, list]:
+    """``(held-in, held-out)``: disjoint, both long enough; held-out ids as given, else sampled from the rest."""
+    long_enough, _ = select_documents(tokenized, min_tokens)
+    by_id = {d.id: d for d in long_enough}
+    missing = [i for i in config.heldout if i not in by_id]
+    if missing:
+        raise DataError(f"--heldout {', '.join(missing)}: no such document with the {min_tokens:,} tokens needed; "
+                        f"long enough: {', '.join(list(by_id)[:8])}{', ...' if len(by_id) > 8 else ''}")
+    rest = [d for d in long_enough if d.id not in config.heldout]
+    wanted_out = len(config.heldout) or config.heldout_documents
+    if len(rest) < config.documents + (0 if config.heldout else wanted_out):
+        raise DataError(f"{len(long_enough)} documents have the {min_tokens:,} tokens needed, fewer than --documents "
+                        f"{config.documents} plus {wanted_out} held out; lower them or use more documents")
+    heldin, _ = select_documents(rest, min_tokens, config.documents, seed=config.seed)
+    if config.heldout:
+        return heldin, [by_id[i] for i in config.heldout]
+    if not config.heldout_documents:
+        return heldin, []
+    unseen = [d for d in rest if d not in heldin]
+    heldout, _ = select_documents(unseen, min_tokens, config.heldout_documents, seed=config.seed + 1)
+    return heldin, heldout
+
+
+def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchResult:
+    """Search LongRoPE factors for one model at one target length, save them, and compare them on held-out documents.
+
+    ``run_search(target_length=16384, candidates=24, documents=1, heldout=["_pydecimal.py"])``; options are the
+    fields of :class:`SearchConfig`, and ``model=`` may be a loaded model (then pass ``tokenizer=``). Every scored
+    candidate goes to OUTPUT/candidates.jsonl at once: rerun the same command to resume; the search replays the
+    same candidates (same seed) and scores only those not stored.
+    """
+    options, loaded = split_loaded(options)
+    config = SearchConfig.from_options(config, **options)
+    corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
+    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
+                                    native_length=config.native_length)
+    model = loaded.model
+    native = settle_native_length(model, config.native_length)
+    if config.target_length <= native:
+        raise ConfigError(f"--target-length {config.target_length:,} must exceed the native length {native:,}: "
+                          "longrope's long factors apply only beyond it")
+    factor = config.factor or config.target_length / native
+    base = rotary_setup(model, *primary_rotary(model)[1:])
+    protocol = Protocol("truncate", None, resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
+    heldin, heldout = choose_documents(tokenize_documents(loaded.tokenizer, corpus),
+                                       protocol.min_tokens(config.target_length), config)
+    probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=next(model.parameters()).device)[None]
+    check_chunked_loss(model, probe)
+
+    settings = {"model": loaded.label, "dtype": loaded.dtype,
+                "data": config.dataset or "stdlib (embedded default corpus)",
+                "native_length": native_length(model), "target_length": config.target_length, "factor": factor,
+                "heldin": [d.id for d in heldin], "heldout": [d.id for d in heldout], "bos": protocol.bos,
+                "evolution": asdict(config.evolution()), "candidates": config.candidates, "seed": config.seed,
+                "output": config.output}
+    setup = {"model": loaded.label, "dtype": loaded.dtype, "data": documents_fingerprint(corpus),
+             "documents": settings["heldin"], "target": config.target_length, "factor": factor, "native": native,
+             "bos": protocol.bos, "attn": config.attn_implementation, "kernels": config.kernels}
+    out = Path(config.output) if config.output is not None else None
+    if out is not None:
+        config.to_yaml(out / "search_config.yaml")
+
+    store = ResultStore(out / "candidates.jsonl", CANDIDATE_FIELDS) if out is not None else None
+    scorer = CandidateScorer(model, heldin, config.target_length, protocol, factor=factor, native_length=native,
+                             store=store, setup=setup, loss_chunk=config.loss_chunk)
+    evolution = config.evolution()
+    budget = min(config.candidates or evolution.candidates, evolution.candidates)
+    bar = tqdm(total=budget, unit="candidate", desc="search", disable=not config.progress, dynamic_ncols=True)
+    best = [float("inf")]
+
+    def scored(candidate: Scored) -> None:
+        best[0] = min(best[0], candidate.fitness)
+        bar.set_postfix_str(f"best ppl {best[0]:.3f}, last {candidate.fitness:.3f}")
+        bar.update()
+
+    start = yarn_factors(base, factor)
+    with fast_path(model, config.kernels):
+        trace = evolve(start, scorer, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
+                       on_scored=scored)
+        bar.close()
+        spec = longrope_spec(trace.best.factors, factor=factor, native_length=native)
+        methods = {"searched": spec, "yarn start (longrope)": longrope_spec(start, factor=factor, native_length=native)}
+        methods |= {label: label for label in (config.method or [f"{m}:factor={factor:g}" for m in COMPARED])}
+        rows = []
+        if heldout:
+            heldout_store = ResultStore(out / "heldout.jsonl", KEY_FIELDS) if out is not None else None
+            rows = compare_methods(model, heldout, methods, config.target_length, protocol, store=heldout_store,
+                                   setup={**setup, "documents": None}, loss_chunk=config.loss_chunk,
+                                   progress=config.progress)
+    heldin_scores = {"searched": trace.best.fitness, "yarn start (longrope)": trace.scored[0].fitness}
+    for row in rows:
+        row["heldout_perplexity"] = row.pop("perplexity")
+        row["heldin_perplexity"] = heldin_scores.get(row["method"])
+    snippet = transformers_snippet(model, spec)
+    table = format_table(rows, target=config.target_length, heldin=settings["heldin"],
+                         heldout=settings["heldout"]) if rows else ""
+
+    files: dict[str, Path] = {}
+    if out is not None:
+        files["method spec"] = _write_json(out / "best_method.json", spec)
+        files["transformers config"] = _write_json(out / "transformers_config.json", snippet)
+        curves = {name: method_factors(name, base, {"factor": factor}) for name in ("linear", "ntk", "yarn")}
+        curves = {"PI (linear)": curves["linear"], "NTK": curves["ntk"], "YaRN (search start)": curves["yarn"],
+                  "searched": np.asarray(trace.best.factors)}
+        title = f"{loaded.label}: longrope factors for {config.target_length:,} tokens (factor {factor:g})"
+        files |= write_reports(rows, trace, curves, out, settings=settings, title=title)
+    return SearchResult(trace.best, spec, snippet, rows, trace, files, table, settings)
+
+
+def _write_json(path: Path, value: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
+    return path
