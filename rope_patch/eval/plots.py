@@ -7,12 +7,15 @@ global plotting state: a notebook's backend stays as it was.
 from __future__ import annotations
 
 import csv
+import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter, NullLocator
+
+MAX_STEM = 120  # longer file stems are shortened with a hash
 
 
 def prepare_path(path: str | Path) -> Path:
@@ -22,8 +25,12 @@ def prepare_path(path: str | Path) -> Path:
 
 
 def file_stem(label: str) -> str:
-    """A method label as a file or folder name: ``yarn:factor=2`` → ``yarn_factor2``."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label.replace(":", "_").replace("=", "")).strip("_")
+    """A method label as a file or folder name: ``yarn:factor=2`` → ``yarn_factor2``. A long label (longrope's 2 × d/2
+    factors) keeps its first 80 characters and a hash of the whole, within file systems' 255-byte names."""
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in label.replace(":", "_").replace("=", "")).strip("_")
+    if len(stem) <= MAX_STEM:
+        return stem
+    return f"{stem[:80]}_{hashlib.sha256(label.encode()).hexdigest()[:12]}"
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path, fields: Sequence[str]) -> Path:

@@ -139,3 +139,4 @@ def test_starting_factors_are_yarns_frequencies_and_formulas_match_closed_forms(
     assert np.allclose(method_factors("linear", BASE, {"factor": s}), s)
     ntk = method_factors("ntk", BASE, {"factor": s})  # (b'/b)^(2i/d) with b' = b·s^(d/(d−2))
     assert np.allclose(ntk, [s ** (2 * i / (d - 2)) for i in range(d // 2)], rtol=1e-5)
+
