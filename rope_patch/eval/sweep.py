@@ -47,8 +47,9 @@ class MethodEntry:
 
 def method_entries(model: nn.Module | None, specs: Sequence[MethodSpec]) -> list[MethodEntry]:
     """The entry of each method spec, checked now (a typo fails before hours of work); ``as-loaded`` is labelled with
-    the scaling the model carries, e.g. ``as-loaded (linear:factor=2)`` (just ``as-loaded`` before a model exists)."""
-    entries = []
+    the scaling the model carries, e.g. ``as-loaded (linear:factor=2)`` (just ``as-loaded`` before a model exists).
+    A method given twice (the same label) is one entry: its results would otherwise be counted twice."""
+    entries: list[MethodEntry] = []
     for spec in specs:
         if spec == AS_LOADED:
             current = current_patch(model) if model is not None else None
@@ -57,7 +58,10 @@ def method_entries(model: nn.Module | None, specs: Sequence[MethodSpec]) -> list
         else:
             name, params = parse_method_spec(spec)
             entries.append(MethodEntry(method_label(name, params), name, params))
-    return entries
+    unique: dict[str, MethodEntry] = {}
+    for entry in entries:
+        unique.setdefault(entry.label, entry)
+    return list(unique.values())
 
 
 @contextlib.contextmanager

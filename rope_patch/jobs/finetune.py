@@ -31,7 +31,7 @@ from ..kernels import (
     remove_kernels,
 )
 from ..loading import load_model
-from ..methods import frequency_and_attention, parse_method_spec
+from ..methods import frequency_and_attention, method_label, parse_method_spec
 from ..patching import patch
 from ..train.checkpoints import check_distributed, resume_folder, save_final_model
 from ..train.log import TrainingLog, tensorboard
@@ -192,6 +192,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         step, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.schedule))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     fingerprint = {k: getattr(config, k) for k in RESUME_FINGERPRINT}
+    fingerprint["method"] = method_label(*parse_method_spec(config.method))  # an @FILE spec by its content
     fingerprint["global_batch"] = config.batch_size * config.grad_accum * layout.replicas
     progress = TrainingProgress(fingerprint)
     accelerator.register_for_checkpointing(progress)

@@ -142,3 +142,15 @@ def test_the_summary_says_which_rows_were_shared(tiny_llama):
         ("none", 32, True), ("none", 48, True), ("none", 64, False),
         ("dynamic_ntk:factor=2", 32, False), ("dynamic_ntk:factor=2", 48, False), ("dynamic_ntk:factor=2", 64, False)]
     assert "shared forward: none scored" in format_table(rows)
+
+
+def test_a_method_given_twice_is_scored_and_counted_once(tiny_llama):
+    """Twice the same spec would otherwise be two entries over the same records: every count doubled."""
+    docs = documents(70, 90)
+    records, failures = evaluate(tiny_llama, docs, ["yarn:factor=2", "none", "yarn:factor=2"], [64], Protocol(),
+                                 progress=False)
+    assert failures == [] and [(r["method"], r["document"]) for r in records] == [
+        ("yarn:factor=2", "doc0"), ("yarn:factor=2", "doc1"), ("none", "doc0"), ("none", "doc1")]
+    rows = summarize(records, method_entries(tiny_llama, ["yarn:factor=2", "none", "yarn:factor=2"]), [64],
+                     protocol="truncate")
+    assert [(r["method"], r["documents"]) for r in rows] == [("yarn:factor=2", 2), ("none", 2)]

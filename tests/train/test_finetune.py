@@ -137,6 +137,16 @@ def test_resume_refuses_changed_settings(workspace, tmp_path):
         finetune(**options(workspace, tmp_path / "run", steps=2, seq_len=80, resume="latest"))
 
 
+def test_resume_refuses_a_method_file_whose_content_changed(workspace, tmp_path):
+    """``--method @FILE`` is keyed by what the file says, not by its name: an edited file is a changed setting."""
+    spec = tmp_path / "method.json"
+    spec.write_text('{"name": "linear", "factor": 2}')
+    finetune(**options(workspace, tmp_path / "run", method=f"@{spec}", steps=2, save_every=1))
+    spec.write_text('{"name": "linear", "factor": 4}')
+    with pytest.raises(ConfigError, match="method"):
+        finetune(**options(workspace, tmp_path / "run", method=f"@{spec}", steps=2, resume="latest"))
+
+
 @pytest.mark.parametrize("method", ["linear:factor=2", "yarn:factor=2"])
 def test_saved_model_reloads_in_plain_transformers_with_identical_logits(workspace, tmp_path, method):
     result = finetune(**options(workspace, tmp_path / "run", method=method, steps=2))
