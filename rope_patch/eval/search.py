@@ -88,8 +88,8 @@ def compare_methods(model: nn.Module, documents: Sequence[TokenizedDocument], me
                                  store=store, setup=setup, progress=progress)
     failed = {f.method: f.reason for f in failures}
     rows = []
-    for name, entry in zip(methods, method_entries(model, list(methods.values()))):
-        label = entry.label
+    for name, spec in methods.items():  # two names may hold one spec (the best may be the start): a row each
+        label = method_entries(model, [spec])[0].label
         cell = list({r["document"]: r for r in records if r["method"] == label}.values())  # a spec given twice: once
         nll, tokens = sum(r["nll"] for r in cell), sum(r["tokens"] for r in cell)
         status = "ok" if len(cell) == len(documents) else f"failed: {failed.get(label, 'missing')}"
