@@ -46,3 +46,8 @@ class KernelsUnavailableError(RopePatchError):
 class NativeLengthError(RopePatchError):
     """A checkpoint whose config does not state its native (pretraining) context length where a computation needs it;
     the message asks for ``native_length=`` / ``--native-length``."""
+
+
+class DiskFullError(RopePatchError):
+    """No space left to write a result or a checkpoint; the message names the folder and the space needed, and
+    what was saved before is intact."""
