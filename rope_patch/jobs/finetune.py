@@ -10,6 +10,7 @@ scaling, so it reloads anywhere without being scaled twice. The pieces live in :
 from __future__ import annotations
 
 import os
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +162,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     config = FinetuneConfig.from_options(config, **options)
     try:
         forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
-        mixed = {"auto": "bf16" if torch.cuda.is_available() else "no", "bf16-mixed": "bf16"}.get(config.precision, "no")
+        mixed = {"auto": "bf16" if torch.cuda.is_available() else "no",
+                 "bf16-mixed": "bf16"}.get(config.precision, "no")
         if config.precision == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION"):
             mixed = None  # an `accelerate launch` config chose already
         accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
@@ -241,12 +243,13 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator) -> FinetuneResul
         try:
             losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
                            head_loss=head_loss_for(model), layout=layout, patched=patched, key=key, stop=stop)
-        except TrainingInterrupted:
-            raise
-        except KeyboardInterrupt as interrupt:  # a second signal: stop now, with the last complete checkpoint
-            newest = newest_checkpoint(output, key)
+        except BaseException as error:
+            traceback.clear_frames(error.__traceback__)  # the loop's progress bar closes now, before any message
+            if not isinstance(error, KeyboardInterrupt) or isinstance(error, TrainingInterrupted):
+                raise
+            newest = newest_checkpoint(output, key)  # a second signal stopped at once: the last complete checkpoint
             raise TrainingInterrupted(progress.step, config.steps, newest and newest.folder,
-                                      "latest" if newest else config.resume, accelerator.is_main_process) from interrupt
+                                      "latest" if newest else config.resume, accelerator.is_main_process) from error
     remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
     final = save_final_model(accelerator, model, tokenizer, output, lora=config.lora, save_adapter=config.save_adapter)

@@ -143,7 +143,7 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
         if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
             saved = save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints, key or {})
         if stop is not None and progress.step < config.steps and stop.agreed(accelerator):
-            bar.close()
+            bar.close()  # before the message the stop prints
             saved = saved or save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints,
                                              key or {})
             raise TrainingInterrupted(progress.step, config.steps, saved, "latest", accelerator.is_main_process)
