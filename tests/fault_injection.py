@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+import transformers.models.llama.modeling_llama  # noqa: F401  imported by the forkserver once, not by each child
 
 from rope_patch.cli import main as cli_main
 

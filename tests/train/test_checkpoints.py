@@ -283,7 +283,7 @@ def test_kill_9_at_random_points_loses_no_checkpoint_and_resumes_to_the_uninterr
     fresh = argv(workspace, output)
     while True:
         command = fresh + ["--resume", "latest"] if finished else fresh
-        kill_at = rng.randint(1, 40) if kills < 6 else 0  # 0: never; a run is about 60 kill points long
+        kill_at = rng.randint(1, 25) if kills < 5 else 0  # 0: never; a step and its save are about 13 kill points
         child = context.Process(target=run_until_killed, args=(command, kill_at, rng.random() < 0.5))
         child.start()
         child.join(timeout=300)
