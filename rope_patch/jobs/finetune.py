@@ -169,15 +169,15 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
                                   step_scheduler_with_optimizer=False, log_with=tensorboard(),
                                   project_dir=config.output)
-        with output_lock(Path(config.output), main_process=accelerator.is_main_process):
-            return _finetune(config, accelerator)
+        with StopRequest() as stop, output_lock(Path(config.output), main_process=accelerator.is_main_process):
+            return _finetune(config, accelerator, stop)
     except TrainingInterrupted:
         raise
-    except KeyboardInterrupt as interrupt:  # before training started: nothing new was saved
+    except KeyboardInterrupt as interrupt:  # before training started (the stop was not armed): nothing new saved
         raise TrainingInterrupted(None, config.steps, None, config.resume) from interrupt
 
 
-def _finetune(config: FinetuneConfig, accelerator: Accelerator) -> FinetuneResult:
+def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopRequest) -> FinetuneResult:
     output = Path(config.output)
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)
@@ -239,7 +239,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator) -> FinetuneResul
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
         else nullcontext()
-    with preferred_attention(), sequence_parallel, StopRequest() as stop:
+    stop.armed = True  # from now on a signal finishes the step and saves; the final model is saved in any case
+    with preferred_attention(), sequence_parallel:
         try:
             losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
                            head_loss=head_loss_for(model), layout=layout, patched=patched, key=key, stop=stop)

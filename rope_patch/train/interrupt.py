@@ -38,12 +38,13 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class StopRequest:
-    """While active (``with StopRequest() as stop``), SIGINT and SIGTERM set a flag that :meth:`agreed` reads at
-    the end of each step; a second signal raises KeyboardInterrupt. Signal handlers exist only in the main thread:
-    elsewhere Python's defaults stay."""
+    """While active (``with StopRequest() as stop``), SIGINT and SIGTERM raise KeyboardInterrupt, until ``armed``
+    (training has started): then the first one sets a flag that :meth:`agreed` reads at the end of each step, and a
+    second one raises. Signal handlers exist only in the main thread: elsewhere Python's defaults stay."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.armed = False
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
@@ -57,7 +58,7 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, number: int, frame) -> None:
-        if self.signal is not None:
+        if self.signal is not None or not self.armed:
             raise KeyboardInterrupt
         self.signal = number
         print(f"\nrope-patch finetune: {signal.Signals(number).name}: finishing this step and saving a checkpoint "

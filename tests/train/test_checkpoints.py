@@ -140,7 +140,7 @@ def test_resume_latest_takes_the_newest_complete_checkpoint(workspace, run_a, tm
     weights = half / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a save cut short
     if damage == "no marker":
-        (half / "checkpoint.json").unlink()
+        (half / "checkpoint.json").unlink(missing_ok=True)
     resumed = finetune(**options(workspace, output, resume="latest"))
     assert list(resumed.losses) == [3, 4]  # from step 2, the newest complete checkpoint
     assert_same_weights(final_weights(output), final_weights(run_a))
@@ -153,7 +153,7 @@ def test_resume_latest_takes_the_newest_complete_checkpoint(workspace, run_a, tm
 def test_an_explicit_incomplete_checkpoint_is_refused(workspace, run_a, tmp_path):
     half = tmp_path / "half"
     shutil.copytree(run_a / "checkpoints" / "step-000002", half)
-    (half / "checkpoint.json").unlink()
+    (half / "checkpoint.json").unlink(missing_ok=True)
     with pytest.raises(ConfigError, match="not a complete rope-patch checkpoint"):
         finetune(**options(workspace, tmp_path / "b", resume=str(half)))
 
@@ -266,9 +266,22 @@ def test_an_interrupt_prints_the_command_that_resumes_to_the_uninterrupted_weigh
 # --- kill -9 at random points -----------------------------------------------------------------------------------
 
 
+ACCELERATE_STATE = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+                    "custom_checkpoint_0.pkl"}  # what accelerate's save_state writes for one process
+
+
 def complete_steps(output: Path) -> set[str]:
+    """The visible step folders, each checked to hold every file of accelerate's state, each one readable."""
     root = output / "checkpoints"
-    return {p.name for p in root.iterdir() if p.name.startswith("step-")} if root.is_dir() else set()
+    visible = {p.name for p in root.iterdir() if p.name.startswith("step-")} if root.is_dir() else set()
+    for step in visible:
+        folder = root / step
+        assert ACCELERATE_STATE <= {p.name for p in folder.iterdir()}, f"{step} is visible but incomplete"
+        load_file(folder / "model.safetensors")
+        for name in ACCELERATE_STATE - {"model.safetensors"}:
+            torch.load(folder / name, weights_only=False)
+        assert (folder / "checkpoint.json").is_file(), f"{step} has no checkpoint.json"
+    return visible
 
 
 def test_kill_9_at_random_points_loses_no_checkpoint_and_resumes_to_the_uninterrupted_weights(
@@ -289,8 +302,6 @@ def test_kill_9_at_random_points_loses_no_checkpoint_and_resumes_to_the_uninterr
         child.join(timeout=300)
         assert child.exitcode in (0, -signal.SIGKILL), f"the run ended with exit code {child.exitcode}"
         visible = complete_steps(output)
-        for step in visible:
-            assert (output / "checkpoints" / step / "checkpoint.json").is_file(), f"{step} is visible but incomplete"
         assert finished <= visible, f"lost {finished - visible}"
         finished = visible
         if child.exitcode == 0:
@@ -300,3 +311,25 @@ def test_kill_9_at_random_points_loses_no_checkpoint_and_resumes_to_the_uninterr
     assert finished == {"step-000001", "step-000002", "step-000003"}
     assert_same_weights(final_weights(output), final_weights(run_a), atol=1e-6)
 
+
+
+def test_an_interrupt_before_training_says_nothing_was_saved_and_prints_the_same_command(workspace, tmp_path, capsys,
+                                                                                        monkeypatch):
+    import rope_patch.jobs.finetune as job
+    real = job.load_model
+
+    def interrupted_load(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job, "load_model", interrupted_load)
+    command = argv(workspace, tmp_path / "b")
+    previous = signal.signal(signal.SIGTERM, refuse_unhandled_sigterm)
+    try:
+        assert cli_main(command) == 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    message = capsys.readouterr().err.strip().splitlines()
+    assert message[-2] == "rope-patch finetune: interrupted; no checkpoint was saved; start again with:"
+    assert message[-1] == "rope-patch " + shlex.join(command)
+    assert not (tmp_path / "b" / "checkpoints").exists()
