@@ -152,28 +152,39 @@ def output_lock(output: Path, *, main_process: bool = True) -> Iterator[None]:
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} is a file; name a folder")
-    output.mkdir(parents=True, exist_ok=True)
-    with open(output / LOCK, "a+") as handle:
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        handle = open(output / LOCK, "a+")
+    except OSError as error:
+        raise ConfigError(f"cannot write into --output {output} ({error.strerror}); choose another folder") from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             raise ConfigError(f"{output} is in use by another fine-tune ({holder}); wait for it to end, or choose "
                               "another --output") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-        handle.flush()
-        root = checkpoints_root(output)
-        for leftover in root.glob(".*-step-*") if root.is_dir() else ():
-            if leftover.name.startswith(HIDDEN_PREFIXES):
-                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError as error:  # a file system without flock (some network mounts)
+            locked = False
+            print(f"rope-patch finetune: cannot lock {output} ({error.strerror}): nothing keeps a second fine-tune "
+                  "out of it", file=sys.stderr)
+        if locked:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+            handle.flush()
+            root = checkpoints_root(output)
+            for leftover in root.glob(".*-step-*") if root.is_dir() else ():
+                if leftover.name.startswith(HIDDEN_PREFIXES):  # left by a killed run: only one run holds the lock
+                    shutil.rmtree(leftover, ignore_errors=True)
         try:
             yield
         finally:
-            handle.seek(0)
-            handle.truncate()
+            if locked:
+                handle.seek(0)
+                handle.truncate()
 
 
 def folder_bytes(folder: Path) -> int:

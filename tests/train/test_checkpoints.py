@@ -4,6 +4,7 @@ full disk: the final weights equal an uninterrupted run's, and no finished check
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -92,6 +93,18 @@ def test_a_fresh_run_in_another_runs_folder_is_refused_and_leaves_its_checkpoint
         finetune(**options(workspace, run_a))  # its own settings without --resume would start again from step 0
     assert folder_digest(run_a / "checkpoints") == before
 
+
+
+def test_a_second_fine_tune_on_a_folder_in_use_is_refused(workspace, tmp_path):
+    """Another process holding the folder's lock (an open file description of its own: flock keeps them apart even
+    within one process) keeps a second run out, before any work."""
+    output = tmp_path / "b"
+    output.mkdir()
+    with open(output / ".finetune.lock", "a+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ConfigError, match="in use by another fine-tune"):
+            finetune(**options(workspace, output))
+    assert not (output / "checkpoints").exists()
 
 @pytest.mark.parametrize("change, setting", [
     (dict(lr=5e-3), "lr"), (dict(adam_beta2=0.9), "adam_beta2"), (dict(weight_decay=0.1), "weight_decay"),
