@@ -123,6 +123,8 @@ class FinetuneConfig(JobConfig):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(self, name)!r}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.save_every < 0 or self.max_grad_norm < 0:
             raise ConfigError("--lr must be positive and --warmup-steps, --save-every, --max-grad-norm not negative")
+        if self.keep_checkpoints < 0:
+            raise ConfigError(f"--keep-checkpoints must be 0 (keep all) or more, got {self.keep_checkpoints}")
         if self.lora and not self.lora_targets:
             raise ConfigError("--lora needs at least one module name in --lora-targets, e.g. q_proj,v_proj")
         if (self.save_adapter or self.train_embeddings_and_norms) and not self.lora:

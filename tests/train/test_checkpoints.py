@@ -24,7 +24,7 @@ import rope_patch.train.loop as loop
 from rope_patch.cli import main as cli_main
 from rope_patch.cli import with_resume
 from rope_patch.errors import ConfigError
-from rope_patch.jobs.finetune import finetune
+from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.train.checkpoints import save_checkpoint
 from fault_injection import run_until_killed
 from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
@@ -170,6 +170,12 @@ def test_an_explicit_incomplete_checkpoint_is_refused(workspace, run_a, tmp_path
     with pytest.raises(ConfigError, match="not a complete rope-patch checkpoint"):
         finetune(**options(workspace, tmp_path / "b", resume=str(half)))
 
+
+
+def test_a_negative_number_of_checkpoints_to_keep_is_refused():
+    """``[:-keep]`` with a negative keep would delete the oldest checkpoints instead of keeping the newest."""
+    with pytest.raises(ConfigError, match="--keep-checkpoints"):
+        FinetuneConfig(keep_checkpoints=-1)
 
 class StubAccelerator:
     """What save_checkpoint asks of accelerate, for a checkpoint of one small file."""
