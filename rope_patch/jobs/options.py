@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import yaml
 
 from ..errors import ConfigError
+from ..eval.files import atomic_write
 from ..methods.values import parse_bool, parse_number
 
 
@@ -142,7 +143,6 @@ class JobConfig:
     def to_yaml(self, path: str | Path, *, leave_out: tuple[str, ...] = ()) -> Path:
         """Write the config as YAML whose first line is the command that reruns it."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in leave_out}
-        path.write_text(f"# rope-patch {self.command} --config {path}\n" + yaml.safe_dump(values, sort_keys=False))
-        return path
+        text = f"# rope-patch {self.command} --config {path}\n" + yaml.safe_dump(values, sort_keys=False)
+        return atomic_write(path, text)
