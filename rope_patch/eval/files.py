@@ -114,32 +114,33 @@ class FolderLock:
     """The writing process's exclusive hold on an output folder, counted within the process (a job's stores and
     reports in one folder share one hold). ``acquire`` waits for another process holding it, naming it."""
 
-    _held: dict[Path, list[int]] = {}  # folder → [file descriptor, holds] in this process
+    _held: dict[tuple[int, Path], list[int]] = {}  # (pid, folder) → [file descriptor, holds] in this process
     _guard = threading.Lock()
 
     def __init__(self, folder: str | os.PathLike, *, job: str = "rope-patch"):
         self.folder = Path(folder)
         self.job = job
         self.holding = False
-        self._key: Path | None = None
+        self._key: tuple[int, Path] | None = None
 
     def acquire(self) -> FolderLock:
         if self.holding:
             return self
-        key = self._key = make_folder(self.folder).resolve()
+        folder = make_folder(self.folder).resolve()
+        key = self._key = (os.getpid(), folder)
         with self._guard:
             if key in self._held:
                 self._held[key][1] += 1
                 self.holding = True
                 return self
-        fd = self._lock(key) if fcntl is not None else -1
+        fd = self._lock(folder) if fcntl is not None else -1
         with self._guard:
             self._held[key] = [fd, 1]
         self.holding = True
         return self
 
-    def _lock(self, key: Path) -> int:
-        path = key / LOCK_NAME
+    def _lock(self, folder: Path) -> int:
+        path = folder / LOCK_NAME
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
@@ -181,6 +182,16 @@ class FolderLock:
         if held[0] >= 0:
             os.close(held[0])  # closing the descriptor drops the flock
 
+    @classmethod
+    def _forget_parents(cls) -> None:
+        """In a forked child: close the parent's lock descriptors, so the parent's folders are let go when the parent
+        lets go (a flock lives as long as any copy of its descriptor)."""
+        for fd, _ in cls._held.values():
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        cls._held.clear()
+
     def __enter__(self) -> FolderLock:
         return self.acquire()
 
@@ -196,3 +207,7 @@ def output_folder(folder: str | os.PathLike | None, *, job: str, writer: bool = 
         return
     with FolderLock(folder, job=job) as lock:
         yield lock.folder
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=FolderLock._forget_parents)
