@@ -57,6 +57,9 @@ def _parse_scalar(name: str, kind: type, value: Any, meta: Mapping[str, Any]) ->
         return _checked_text(name, value, meta) if isinstance(value, str) else value
     if meta.get("spec") and isinstance(value, Mapping):
         return value  # a method spec as a mapping, read by the spec grammar
+    if isinstance(value, os.PathLike):
+        _checked_text(name, str(os.fspath(value)), meta)
+        return value  # a path from Python stays a path
     what = {bool: "true/false", list: "a list", tuple: "a list", dict: "a mapping"}.get(type(value))
     what = what or (f"the number {value!r}" if isinstance(value, (int, float)) else type(value).__name__)
     raise ConfigError(f"{flag(name)} takes text, not {what}" + (
@@ -160,7 +163,8 @@ class JobConfig:
         try:
             data = yaml.load(path.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)
         except UnicodeDecodeError as error:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): save it as UTF-8")
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): save it as "
+                              "UTF-8") from None
         except yaml.YAMLError as error:
             where = getattr(error, "problem_mark", None)
             line = f" at line {where.line + 1}" if where else ""

@@ -171,3 +171,11 @@ def test_a_mapping_spec_is_still_a_method_in_yaml(tmp_path):
     path.write_text("method: [{name: yarn, factor: 2}]\n")
     assert EvalConfig(**EvalConfig.read_yaml(path)).method == [{"name": "yarn", "factor": 2}]
     assert InspectConfig(method={"name": "yarn", "factor": 2}).method == {"name": "yarn", "factor": 2}
+
+
+def test_a_path_object_from_python_is_still_accepted(tmp_path):
+    config = EvalConfig(output=tmp_path / "run", dataset=tmp_path)
+    assert config.output == tmp_path / "run" and config.dataset == tmp_path
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(errors.ConfigError, match="is a file"):
+        EvalConfig(output=tmp_path / "file")
