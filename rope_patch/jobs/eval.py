@@ -50,7 +50,7 @@ class EvalConfig(SweepConfig):
                               "protocol uses lm-eval's prefix token (BOS, else EOS)", choices=tuple(BOS_CHOICES))
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots "
-                                             "(none from Python with output=None)")
+                                             "(none from Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()

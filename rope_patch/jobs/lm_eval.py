@@ -40,7 +40,7 @@ class LmEvalConfig(SweepConfig):
                                                    "RULER: each length is then its own lm-eval run")
     output: str | None = option("runs/lm_eval", "folder for lm-eval's results JSON per method, results.jsonl "
                                                 "(resumable), summary.csv/.json and score_vs_length.png (none from "
-                                                "Python with output=None)")
+                                                "Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()

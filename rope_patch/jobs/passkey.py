@@ -27,7 +27,7 @@ class PasskeyConfig(SweepConfig):
     seed: int = option(0, "seed of the random keys")
     max_new_tokens: int = option(8, "tokens generated per answer")
     output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots "
-                                                "(none from Python with output=None)")
+                                                "(none from Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()

@@ -49,7 +49,7 @@ class SearchConfig(SweepConfig):
 
     method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
                                    "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",
-                               repeat=True, split=False, metavar="SPEC")
+                               repeat=True, split=False, metavar="SPEC", spec=True)
     target_length: int = option(16384, "the length the factors are searched for (beyond the native length), e.g. 16k",
                                 tokens=True)
     factor: float | None = option(None, "scale factor s: LongRoPE's attention factor sqrt(1 + ln s / ln L), factors "
@@ -78,7 +78,8 @@ class SearchConfig(SweepConfig):
                       choices=tuple(BOS_CHOICES))
     loss_chunk: int = option(1024, "tokens per slice through the output head")
     output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
-                                               "transformers_config.json, the table and plots (none with output=None)")
+                                               "transformers_config.json, the table and plots (none with output=None)",
+                                folder=True)
 
     def validate(self) -> None:
         super().validate()
