@@ -49,5 +49,6 @@ class NativeLengthError(RopePatchError):
 
 
 class DiskFullError(RopePatchError):
-    """No space left to write a result or a checkpoint; the message names the folder and the space needed, and
-    what was saved before is intact."""
+    """A result or a checkpoint could not be written: no space left on the device (ENOSPC), the disk quota (EDQUOT)
+    or the file size limit (EFBIG) reached. The message names the folder and the space needed; what was written
+    before is kept."""
