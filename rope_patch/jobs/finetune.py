@@ -33,6 +33,7 @@ from ..kernels import (
 from ..loading import load_model
 from ..methods import frequency_and_attention, method_label, parse_method_spec
 from ..patching import patch
+from ..train.engines import engine_name, select_fsdp_on_cpu
 from ..train.checkpoints import check_distributed, resume_folder, save_final_model
 from ..train.log import TrainingLog, tensorboard
 from ..train.lora import add_lora, save_only_trainable_weights
@@ -157,6 +158,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
                               step_scheduler_with_optimizer=False, log_with=tensorboard(), project_dir=str(output))
+    select_fsdp_on_cpu(accelerator)
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
@@ -207,7 +209,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     if accelerator.is_main_process:
         shards = f", each split over {layout.size} processes" if layout.size > 1 else ""
         accelerator.print(f"{report}\n{data.describe()}; global batch "
-                          f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}")
+                          f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
+                          f"; {engine_name(accelerator)}")
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
