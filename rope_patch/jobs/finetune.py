@@ -33,7 +33,7 @@ from ..kernels import (
 from ..loading import load_model
 from ..methods import frequency_and_attention, method_label, parse_method_spec
 from ..patching import patch
-from ..train.engines import engine_name, select_fsdp_on_cpu
+from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import check_distributed, resume_folder, save_final_model
 from ..train.log import TrainingLog, tensorboard
 from ..train.lora import add_lora, save_only_trainable_weights
@@ -157,7 +157,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         mixed = None  # an `accelerate launch` config chose already
     forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
-                              step_scheduler_with_optimizer=False, log_with=tensorboard(), project_dir=str(output))
+                              step_scheduler_with_optimizer=False, log_with=tensorboard(), project_dir=str(output),
+                              kwargs_handlers=process_group_kwargs())
     select_fsdp_on_cpu(accelerator)
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)

@@ -1,17 +1,28 @@
 """Which distributed engine a launch chose (DDP, FSDP2, DeepSpeed ZeRO), named for the log and the checks.
 
-The engines are accelerate's: rope_patch shards nothing itself. One gap is filled here: accelerate (1.15) turns an
-FSDP launch on CPU processes (``use_cpu``, gloo) into plain data parallelism, dropping the FSDP plugin its launcher
-configured, although torch's ``fully_shard`` runs on gloo. :func:`select_fsdp_on_cpu` puts the plugin back, so that
-the FSDP2 path that runs on GPUs is the one the CPU tests prove.
+The engines are accelerate's: rope_patch shards nothing itself. Two gaps of accelerate (1.15) on CPU processes
+(gloo) are filled here, so that the FSDP2 and ZeRO-3 paths that run on GPUs are the ones the CPU tests prove:
+
+- an FSDP launch with ``use_cpu`` becomes plain data parallelism (the FSDP plugin its launcher configured is dropped),
+  although torch's ``fully_shard`` runs on gloo: :func:`select_fsdp_on_cpu` puts the plugin back;
+- a DeepSpeed launch without a GPU starts DeepSpeed's process group but records no backend, so accelerate counts one
+  process of rank 0 in each: :func:`process_group_kwargs` names gloo (DeepSpeed's CPU accelerator,
+  ``DS_ACCELERATOR=cpu``, uses it too).
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+
+def process_group_kwargs() -> list[InitProcessGroupKwargs]:
+    """The ``kwargs_handlers`` of the job's ``Accelerator``: gloo for a DeepSpeed launch on a machine without CUDA."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    return [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not torch.cuda.is_available() else []
 
 
 def select_fsdp_on_cpu(accelerator) -> None:
