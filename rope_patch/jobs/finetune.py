@@ -204,7 +204,9 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
 
     if config.resume:
         checkpoint = resume_folder(config.resume, output)
-        accelerator.load_state(str(checkpoint), strict=not config.lora)
+        # LoRA checkpoints hold the trained weights only; DeepSpeed saves (and checks) its whole engine
+        strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": not config.lora}
+        accelerator.load_state(str(checkpoint), **strict)
         accelerator.print(f"resumed from {checkpoint} at step {progress.step}")
     log = TrainingLog(output, accelerator, resume_step=progress.step if config.resume else 0)
     if accelerator.is_main_process:
