@@ -49,8 +49,6 @@ RESUME_FINGERPRINT = ("model", "method", "dataset", "split", "text_field", "subs
                       "lora_alpha", "lora_targets", "train_embeddings_and_norms", "pose_target_len",
                       "pose_chunks", "native_length")
 
-DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # where Ulysses runs here
-
 
 @dataclass
 class FinetuneConfig(JobConfig):
@@ -162,8 +160,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     select_fsdp_on_cpu(accelerator)
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)
-    check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
-                            data_parallel=accelerator.distributed_type in DATA_PARALLEL)
+    check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len)
     layout = SequenceLayout.of(config.sequence_parallel, accelerator.process_index, accelerator.num_processes)
     set_seed(config.seed)
 
