@@ -1,11 +1,11 @@
-"""Memory per process of ``rope-patch finetune`` on CPU processes: 1 process, FSDP2 x 2, DeepSpeed ZeRO-3 x 2 and
-sequence parallelism x 2, on a random-weight LLaMA whose weights and AdamW state dominate (full fine-tuning).
+"""Memory per process of ``rope-patch finetune`` on CPU processes: 1 process, FSDP2 x 2, DeepSpeed ZeRO-3 x 2,
+sequence parallelism x 2 and SP 2 x ZeRO-3 on 4 processes, on a random-weight LLaMA, full fine-tuning.
 
 Each process reports its peak resident memory (``ru_maxrss``) and, measured on the objects after training, the bytes
 of the parameters it holds (FSDP2: its DTensor shards; ZeRO-3: its ``ds_tensor`` partitions) and of the optimizer
-state it holds (AdamW's two moments, and ZeRO-3's fp32 partitions). SP × ZeRO-3 is refused by rope_patch today, so
-it has no row. The model (vocabulary 128, character tokenizer): 8 layers, hidden 512, MLP 2,048, 8 heads of 64,
-26 M parameters (100 MiB in fp32); fp32, 512-token sequences, 1 step, checkpointing off.
+state it holds (AdamW's two moments, and ZeRO-3's fp32 partitions). The model (vocabulary 128, character
+tokenizer): 8 layers, hidden 512, MLP 2,048, 8 heads of 64,
+33.7 M parameters (129 MiB in fp32); fp32, --seq-len tokens (default 2,048), 1 step, checkpointing off.
 
     flock /tmp/rope_patch_heavy.lock python scripts/bench_distributed.py
 """
@@ -35,6 +35,7 @@ VARIANTS = {  # name: (accelerate config or None, processes, sequence parallel, 
     "FSDP2 x 2": ("fsdp", 2, 1, {"ACCELERATE_USE_CPU": "1"}),
     "ZeRO-3 x 2": ("deepspeed_zero3", 2, 1, {"DS_ACCELERATOR": "cpu"}),
     "SP x 2 (DDP)": ("sequence_parallel", 2, 2, {"ACCELERATE_USE_CPU": "1"}),
+    "SP 2 x ZeRO-3 x 4": ("deepspeed_zero3", 4, 2, {"DS_ACCELERATOR": "cpu"}),
 }
 
 
@@ -84,11 +85,13 @@ def launch(name: str, folder: Path, output: Path, args) -> list[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", f"--config_file={ROOT}/configs/accelerate/{config}.yaml",
+    launcher = [sys.executable, "-m", "accelerate.commands.launch",
+                f"--config_file={ROOT / 'configs' / 'accelerate' / f'{config}.yaml'}",
                 f"--num_processes={processes}", "--mixed_precision=no", f"--main_process_port={port}",
                 "--num_cpu_threads_per_process=1"] if config else [sys.executable]
     command = launcher + [__file__, "--worker", "--folder", str(folder), "--seq-len", str(args.seq_len),
-                          "--sequence-parallel", str(sp), "--output", str(output), "--dataset", str(folder / "text.txt")]
+                          "--sequence-parallel", str(sp), "--output", str(output),
+                          "--dataset", str(folder / "text.txt")]
     env = os.environ | extra | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     if run.returncode:
@@ -98,7 +101,7 @@ def launch(name: str, folder: Path, output: Path, args) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--folder", "--output", "--dataset"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -118,7 +121,8 @@ def main() -> None:
         (folder / "text.txt").write_text(Path(argparse.__file__).read_text())
         rows = {name: launch(name, folder, Path(tmp) / f"run{i}", args) for i, name in enumerate(VARIANTS)}
     print(f"{platform.machine()}, torch {torch.__version__}; {args.seq_len} tokens, 1 step, fp32; shape {BODY}")
-    print("| run | rank | peak RSS (GiB) | parameters held (MiB) | optimizer state held (MiB) |\n|---|---:|---:|---:|---:|")
+    print("| run | rank | peak RSS (GiB) | parameters held (MiB) | optimizer state held (MiB) |")
+    print("|---|---:|---:|---:|---:|")
     for name, lines in rows.items():
         for line in lines:
             fields = dict(part.split("=") for part in line.split()[1:])

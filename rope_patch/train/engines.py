@@ -28,7 +28,8 @@ def process_group_kwargs() -> list[InitProcessGroupKwargs]:
 def select_fsdp_on_cpu(accelerator) -> None:
     """Under ``accelerate launch`` with an FSDP config on CPU processes, make the run FSDP as it is on GPUs."""
     state = accelerator.state
-    if state.distributed_type != DistributedType.MULTI_CPU or os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
+    fsdp_launch = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if state.distributed_type != DistributedType.MULTI_CPU or not fsdp_launch:
         return
     # accelerate copies the process-level state into the accelerator's at every AcceleratorState() (its optimizer
     # wrapper makes one): both must say FSDP

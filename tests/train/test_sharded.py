@@ -74,7 +74,8 @@ def environment(engine: str) -> dict:
 
 def launch(engine: str, settings: dict, processes: int = 2) -> str:
     """``accelerate launch --config_file configs/accelerate/<engine>.yaml`` on CPU processes; its stdout."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", f"--config_file={ROOT}/configs/accelerate/{engine}.yaml",
+    config = ROOT / "configs" / "accelerate" / f"{engine}.yaml"
+    command = [sys.executable, "-m", "accelerate.commands.launch", f"--config_file={config}",
                f"--num_processes={processes}", "--mixed_precision=no", f"--main_process_port={free_port()}",
                "--num_cpu_threads_per_process=1", "-m", "rope_patch", "finetune", *flags(settings)]
     run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT, env=environment(engine))
@@ -122,13 +123,16 @@ def test_sharded_full_fine_tuning_resumes_and_reloads_like_one_process(workspace
 def test_sharded_lora_trains_the_adapter_of_one_process(workspace, tmp_path, single, engine, name):
     _, lora = single
     launch(engine, options(workspace, tmp_path / "run", lora=True, save_adapter=True))
-    assert_same(load_file(lora / "adapter_model.safetensors"), load_file(tmp_path / "run" / "adapter_model.safetensors"))
+    adapter = "adapter_model.safetensors"
+    assert_same(load_file(lora / adapter), load_file(tmp_path / "run" / adapter))
+
+
+DYNAMIC_POSE = dict(method="dynamic_ntk:factor=2", pose_target_len=200, pose_chunks=3)
 
 
 @pytest.mark.parametrize("engine, name, method", [
     pytest.param("fsdp", "FSDP2", {}, id="fsdp2-yarn"),
-    pytest.param("deepspeed_zero3", "DeepSpeed ZeRO-3", dict(method="dynamic_ntk:factor=2", pose_target_len=200,
-                                                             pose_chunks=3), id="zero3-dynamic-pose", marks=NEEDS_DEEPSPEED)])
+    pytest.param("deepspeed_zero3", "DeepSpeed ZeRO-3", DYNAMIC_POSE, id="zero3-dynamic-pose", marks=NEEDS_DEEPSPEED)])
 def test_sequence_parallel_on_sharded_weights_trains_like_one_process(workspace, tmp_path, engine, name, method):
     """4 processes: each sequence split over 2 of them (Ulysses), 2 data-parallel replicas, the weights sharded over
     all 4 (DeepSpeed's ALST combination under ZeRO-3). dynamic_ntk follows the whole sequence's largest PoSE id."""
