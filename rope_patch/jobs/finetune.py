@@ -35,6 +35,7 @@ from ..loading import load_model
 from ..methods import frequency_and_attention, method_label, parse_method_spec
 from ..patching import patch
 from ..eval.sweep import model_fingerprint
+from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
                                  resume_checkpoint, save_final_model)
 from ..train.interrupt import StopRequest, TrainingInterrupted
@@ -53,8 +54,6 @@ from .options import JobConfig, option
 CHECKPOINT_KEY = ("method", "seq_len", "pose_target_len", "pose_chunks", "native_length", "steps", "lr", "warmup_steps",
                   "schedule", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "seed", "lora",
                   "lora_rank", "lora_alpha", "lora_targets", "train_embeddings_and_norms")
-
-DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # where Ulysses runs here
 
 
 @dataclass
@@ -170,7 +169,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
             mixed = None  # an `accelerate launch` config chose already
         accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
                                   step_scheduler_with_optimizer=False, log_with=tensorboard(),
-                                  project_dir=config.output)
+                                  project_dir=config.output, kwargs_handlers=process_group_kwargs())
+        select_fsdp_on_cpu(accelerator)
         with StopRequest() as stop, output_lock(Path(config.output), main_process=accelerator.is_main_process):
             return _finetune(config, accelerator, stop)
     except TrainingInterrupted:
@@ -183,8 +183,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     output = Path(config.output)
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)
-    check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
-                            data_parallel=accelerator.distributed_type in DATA_PARALLEL)
+    check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len)
     layout = SequenceLayout.of(config.sequence_parallel, accelerator.process_index, accelerator.num_processes)
     set_seed(config.seed)
 
@@ -230,13 +229,16 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
         save_only_trainable_weights(accelerator)
 
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint.folder), strict=not config.lora)
+        # LoRA checkpoints hold the trained weights only; DeepSpeed saves (and checks) its whole engine
+        strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": not config.lora}
+        accelerator.load_state(str(checkpoint.folder), **strict)
         accelerator.print(f"resumed from {checkpoint.folder} at step {progress.step}")
     log = TrainingLog(output, accelerator, resume_step=progress.step if config.resume else 0)
     if accelerator.is_main_process:
         shards = f", each split over {layout.size} processes" if layout.size > 1 else ""
         accelerator.print(f"{report}\n{data.describe()}; global batch "
-                          f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}")
+                          f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
+                          f"; {engine_name(accelerator)}")
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
