@@ -27,6 +27,7 @@ from transformers import GenerationConfig
 
 from ..data import resolve_bos
 from ..errors import ConfigError, DataError
+from ..patching import input_device
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep
 
@@ -144,8 +145,7 @@ def greedy_generation(model) -> Iterator[None]:
 @torch.no_grad()
 def answer(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 8) -> str:
     """Greedy continuation of one prompt, decoded without special tokens."""
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([prompt.input_ids], device=device)  # [1, length]
+    input_ids = torch.tensor([prompt.input_ids], device=input_device(model))  # [1, length]
     with greedy_generation(model):
         output = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from ..data import TokenizedDocument
 from ..errors import ConfigError, UnsupportedModelError
 from ..loss import OutputHead, decoder_and_head, token_nll
-from ..patching import fixed_length
+from ..patching import fixed_length, input_device
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
 
@@ -375,7 +375,7 @@ class _Sweep:
     def forward(self, windows: list[Window]) -> list[torch.Tensor]:
         if not windows:
             return []
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)
         rows = [np.concatenate([[self.protocol.bos_id] * w.bos, self.documents[w.document].ids[w.start : w.end]])
                 for w in windows]
         ids = torch.as_tensor(np.stack(rows).astype(np.int64), device=device)  # (B, L)

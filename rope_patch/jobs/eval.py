@@ -16,8 +16,8 @@ from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, chec
 from ..eval.perplexity_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
-from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from ..patching import input_device, native_length
+from .common import SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import option
 
 BOS_CHOICES = {"auto": None, "yes": True, "no": False}
@@ -102,8 +102,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     config = EvalConfig.from_options(config, **options)
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    device=accelerator.device, native_length=config.native_length)
+    loaded = config.load(loaded, device=accelerator.device)
     model = loaded.model
     settle_native_length(model, config.native_length)
     with accelerator.main_process_first():
@@ -112,7 +111,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     protocol.check(config.lengths)
     chosen, skipped = select_documents(tokenized, protocol.min_tokens(max(config.lengths)), config.documents,
                                        seed=config.seed)
-    probe = torch.as_tensor(chosen[0].ids[:64].astype(np.int64), device=next(model.parameters()).device)[None]
+    probe = torch.as_tensor(chosen[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe if not protocol.bos else torch.cat([probe.new_full((1, 1), protocol.bos_id), probe], 1))
 
     settings = {"model": loaded.label, "dtype": loaded.dtype, "data": config.dataset or "stdlib (embedded default corpus)",

@@ -14,7 +14,7 @@ from ..eval.harness_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import flag, option
 
 METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
@@ -107,8 +107,7 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length)
     window = config.max_length
     if window is None and not sweep_lengths(config.metadata or {}):  # one window for every method, or a refusal

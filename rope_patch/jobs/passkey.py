@@ -11,7 +11,7 @@ from ..eval.passkey_report import format_table, write_reports
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import option
 
 
@@ -62,8 +62,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length)
     store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
     with fast_path(loaded.model, config.kernels):

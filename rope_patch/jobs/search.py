@@ -29,8 +29,8 @@ from ..eval.search_report import format_table, write_reports
 from ..eval.store import ResultStore
 from ..methods.evolution import (LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget,
                                  yarn_factors)
-from ..patching import native_length, primary_rotary, rotary_setup
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from ..patching import input_device, native_length, primary_rotary, rotary_setup
+from .common import SweepConfig, fast_path, settle_native_length, split_loaded
 from .eval import BOS_CHOICES
 from .options import option
 
@@ -167,8 +167,7 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     options, loaded = split_loaded(options)
     config = SearchConfig.from_options(config, **options)
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     model = loaded.model
     native = settle_native_length(model, config.native_length)
     if config.target_length <= native:
@@ -179,7 +178,7 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     protocol = Protocol("truncate", None, resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
     heldin, heldout = choose_documents(tokenize_documents(loaded.tokenizer, corpus),
                                        protocol.min_tokens(config.target_length), config)
-    probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=next(model.parameters()).device)[None]
+    probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe)
 
     settings = {"model": loaded.label, "dtype": loaded.dtype,
