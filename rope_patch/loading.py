@@ -231,20 +231,26 @@ def load_model(
     try:
         with quiet_hub_requests():
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = from_pretrained(path, **kwargs)
+            model = _placed(path, device_map, kwargs)
     except OSError as error:
         raise ModelNotFoundError(
             f"cannot load model {str(path)!r}: {str(error).splitlines()[0]} "
             "(check the name, or pass a local folder; hub downloads need network access)"
         ) from None
-    except (ValueError, KeyError) as error:
-        if device_map is None or isinstance(error, RopePatchError):
-            raise
-        raise ConfigError(f"cannot place {str(path)!r} with --device-map: {str(error).splitlines()[0]}") from None
     if device_map is None:
         model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def _placed(path: str | os.PathLike, device_map: DeviceMap | None, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """:func:`from_pretrained`, with a device map transformers or accelerate cannot follow refused in one line."""
+    try:
+        return from_pretrained(path, **kwargs)
+    except (ValueError, KeyError, RuntimeError) as error:  # an unknown device, a map naming no module, ...
+        if device_map is None or isinstance(error, RopePatchError):
+            raise
+        raise ConfigError(f"cannot place {str(path)!r} with --device-map: {str(error).splitlines()[0]}") from None
 
 
 def load_default_model(*, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None):

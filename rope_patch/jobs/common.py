@@ -32,6 +32,7 @@ class SweepConfig(JobConfig):
     """The options every methods sweep shares (eval, passkey): the model, the methods, and how the model runs."""
 
     command: ClassVar[str] = ""
+    sequence_parallel_refusal: ClassVar[str | None] = "this job runs in one process"  # None: the job supports it
 
     model: str | None = option(None, MODEL_HELP)
     method: list[str] = option([AS_LOADED], "method NAME[:key=value,...]; repeat for several. 'as-loaded' evaluates "
@@ -45,12 +46,22 @@ class SweepConfig(JobConfig):
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
     device_map: str | None = option(None, DEVICE_MAP_HELP, metavar="MAP")
     offload_folder: str | None = option(None, OFFLOAD_HELP, metavar="DIR")
+    sequence_parallel: int = option(1, "split each window over N processes (DeepSpeed Ulysses, eval only; N divides "
+                                       "the processes of accelerate launch)", metavar="N")
     progress: bool = option(True, "show a progress bar")
 
     def validate(self) -> None:
         method_entries(None, self.method)  # a typo fails before anything is loaded
         check_kernels_available(self.kernels)
         check_offload(parse_device_map(self.device_map), self.offload_folder)
+        if self.sequence_parallel < 1:
+            raise ConfigError(f"--sequence-parallel {self.sequence_parallel}: give a positive number of processes")
+        if self.sequence_parallel > 1 and self.sequence_parallel_refusal:
+            raise ConfigError(f"{self.command} --sequence-parallel: {self.sequence_parallel_refusal}; split windows "
+                              "with rope-patch eval --sequence-parallel, or place the model with --device-map")
+        if self.sequence_parallel > 1 and self.device_map is not None:
+            raise ConfigError("--device-map and --sequence-parallel do not combine: a device map is one process "
+                              "holding the model across devices, sequence parallelism one model copy per process")
 
     def load(self, loaded: LoadedModel | None = None, *, device: str | torch.device | None = None) -> LoadedModel:
         """The job's model: the one a Python caller handed over, or the one ``--model`` names, loaded once (with

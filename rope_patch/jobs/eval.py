@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -14,6 +15,7 @@ from ..data import documents_fingerprint, load_documents, resolve_bos, select_do
 from ..errors import ConfigError
 from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, check_chunked_loss, evaluate
 from ..eval.perplexity_report import format_table, summarize, write_reports
+from ..eval.sequence_parallel import check_eval_sequence_parallel, sequence_shards
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import input_device, native_length
@@ -28,6 +30,7 @@ class EvalConfig(SweepConfig):
     """Every choice of a perplexity run. Field names are the ``rope-patch eval`` options and the YAML keys."""
 
     command: ClassVar[str] = "eval"
+    sequence_parallel_refusal: ClassVar[str | None] = None
 
     lengths: list[int] = option([4096, 8192, 16384], "window lengths in tokens, e.g. 4096,8192,16k", tokens=True)
     dataset: str | None = option(None, "hub data set name, or a local .txt/.jsonl/.parquet file or folder "
@@ -56,6 +59,9 @@ class EvalConfig(SweepConfig):
         if self.documents is not None and self.documents < 1:
             raise ConfigError(f"--documents {self.documents}: give a positive number, or leave it out for all")
         self.protocol_with(None).check(self.lengths)
+        if self.sequence_parallel > 1:
+            check_eval_sequence_parallel(self.sequence_parallel, processes=self.sequence_parallel,
+                                         lengths=self.lengths, batch_size=self.batch_size, methods=self.method)
 
     def protocol_with(self, bos_id: int | None) -> Protocol:
         return Protocol(self.protocol, self.stride, bos_id)
@@ -102,8 +108,15 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     config = EvalConfig.from_options(config, **options)
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
+    if config.device_map is not None and accelerator.num_processes > 1:
+        raise ConfigError(f"--device-map places one model over this machine's devices in one process, not "
+                          f"{accelerator.num_processes}: run rope-patch eval without accelerate launch")
+    sequence_parallel = dict(processes=accelerator.num_processes, lengths=config.lengths,
+                             batch_size=config.batch_size, methods=config.method)
+    check_eval_sequence_parallel(config.sequence_parallel, **sequence_parallel)
     loaded = config.load(loaded, device=accelerator.device)
     model = loaded.model
+    check_eval_sequence_parallel(config.sequence_parallel, **sequence_parallel, model=model)
     settle_native_length(model, config.native_length)
     with accelerator.main_process_first():
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
@@ -119,6 +132,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
                 "stride": protocol.effective_stride, "bos": protocol.bos, "documents": [d.id for d in chosen],
                 "skipped": skipped, "seed": config.seed, "batch_size": config.batch_size,
                 "native_length": native_length(model), "processes": accelerator.num_processes,
+                "sequence_parallel": config.sequence_parallel,
                 "output": config.output}
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
     store = None
@@ -126,10 +140,12 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
         with accelerator.main_process_first():
             store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS)
 
-    with fast_path(model, config.kernels):
+    shards = contextlib.nullcontext() if config.sequence_parallel == 1 else sequence_shards(
+        model, config.sequence_parallel, rank=accelerator.process_index, world=accelerator.num_processes)
+    with fast_path(model, config.kernels), shards as sharding:
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
                                      batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,
-                                     setup=setup, accelerator=accelerator, progress=config.progress)
+                                     setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress)
     rows = summarize(records, method_entries(model, config.method), config.lengths, protocol=config.protocol,
                      stride=protocol.effective_stride, bos=protocol.bos, skipped=skipped, failures=failures)
     files = {}

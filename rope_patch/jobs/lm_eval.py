@@ -25,6 +25,7 @@ class LmEvalConfig(SweepConfig):
     """Every choice of an lm-eval run. Field names are the ``rope-patch lm-eval`` options and the YAML keys."""
 
     command: ClassVar[str] = "lm-eval"
+    sequence_parallel_refusal: ClassVar[str | None] = "lm-evaluation-harness runs its own forward loop"
 
     tasks: list[str] = option([], "lm-eval task, group or tag names, comma-separated, e.g. niah_single_1,ruler_vt")
     include_path: str | None = option(None, "folder of task YAML files of your own (lm-eval's --include_path)")

@@ -20,6 +20,8 @@ class PasskeyConfig(SweepConfig):
     """Every choice of a passkey run. Field names are the ``rope-patch passkey`` options and the YAML keys."""
 
     command: ClassVar[str] = "passkey"
+    sequence_parallel_refusal: ClassVar[str | None] = (
+        "generation decodes one token at a time against a KV cache that Ulysses' split prefill does not build")
 
     lengths: list[int] = option([4096, 8192, 16384], "prompt lengths in tokens, e.g. 4096,8192,16k", tokens=True)
     depths: list[float] = option([0.0, 0.25, 0.5, 0.75, 1.0], "key depths as fractions of the filler, 0 = start, 1 = end")

@@ -42,6 +42,7 @@ class SearchConfig(SweepConfig):
     """Every choice of a search. Field names are the ``rope-patch search`` options and the YAML keys."""
 
     command: ClassVar[str] = "search"
+    sequence_parallel_refusal: ClassVar[str | None] = "the search scores its candidates in one process"
 
     method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
                                    "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",

@@ -10,6 +10,7 @@ hooks' execution device, not that of the first parameter.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -72,3 +73,19 @@ def input_device(model: nn.Module) -> torch.device:
             return torch.device(hook.execution_device)
     parameter = next((p for p in model.parameters() if not p.is_meta), None)
     return parameter.device if parameter is not None else torch.device("cpu")
+
+
+@contextmanager
+def weights_loaded(module: nn.Module) -> Iterator[None]:
+    """Inside the block, an offloaded ``module``'s own weights are real tensors on its execution device, as during its
+    forward: code that reads a weight directly (the chunked output-head loss reads ``lm_head.weight``) would otherwise
+    compute with a meta placeholder, whose product is not an error but uninitialised memory."""
+    hook = getattr(module, "_hf_hook", None)
+    if offload_weights_map(module) is None:
+        yield
+        return
+    hook.pre_forward(module)  # loads the weights from the offload map (AlignDevicesHook, or each of a SequentialHook)
+    try:
+        yield
+    finally:
+        hook.post_forward(module, None)  # back to meta
