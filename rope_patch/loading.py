@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import cache_dir, quiet_hub_requests
@@ -212,12 +212,14 @@ def load_model(
     native_length: int | None = None,
     device_map: DeviceMap | os.PathLike | None = None,
     offload_folder: str | os.PathLike | None = None,
+    tp_plan: str | None = None,
 ):
     """Load ``(model, tokenizer)`` from a hub id or folder, or the embedded default when ``None``.
 
     A checkpoint saved by rope_patch gets its scaling re-applied exactly once (see :func:`from_pretrained`).
     ``device_map`` (and ``offload_folder``): accelerate's big-model dispatch, as ``from_pretrained`` takes them
     (see :func:`parse_device_map`); the layers then stay where the map puts them (``device`` is not used).
+    ``tp_plan="auto"``: transformers' tensor parallelism over the processes torchrun (or accelerate launch) started.
     """
     path = model_path(name_or_path)
     device_map = parse_device_map(device_map)
@@ -228,6 +230,8 @@ def load_model(
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         kwargs |= {"device_map": device_map, "offload_folder": None if offload_folder is None else str(offload_folder)}
+    if tp_plan is not None:
+        kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     try:
         with quiet_hub_requests():
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -237,7 +241,7 @@ def load_model(
             f"cannot load model {str(path)!r}: {str(error).splitlines()[0]} "
             "(check the name, or pass a local folder; hub downloads need network access)"
         ) from None
-    if device_map is None:
+    if device_map is None and tp_plan is None:
         model.to(device)
     model.eval()
     return model, tokenizer

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -179,9 +179,19 @@ def window_nll(model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[
                        torch.cat([input_ids[b, s:], input_ids.new_tensor([following])]))  # (n_b,)
     with weights_loaded(head):  # a head offloaded by --device-map: its weight read in, not its meta placeholder
         device = head.weight.device  # under a device map, the head's device may not be the last layer's
-        nll = token_nll(OutputHead.of(model), torch.cat(states).to(device), torch.cat(targets).to(device),
+        nll = token_nll(whole_head(model), torch.cat(states).to(device), torch.cat(targets).to(device),
                         chunk=loss_chunk)
     return list(nll.split([t.shape[0] for t in targets]))
+
+
+def whole_head(model: nn.Module) -> OutputHead:
+    """The output head with its whole weight on this process: under tensor parallelism (``--tp-plan``) the weight is
+    a DTensor shard, gathered here (the head alone, V × H)."""
+    head = OutputHead.of(model)
+    if hasattr(head.weight, "full_tensor"):
+        bias = head.bias.full_tensor() if hasattr(head.bias, "full_tensor") else head.bias
+        head = replace(head, weight=head.weight.full_tensor(), bias=bias)
+    return head
 
 
 @torch.no_grad()

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..loss import OutputHead, decoder_and_head, token_nll
+from ..loss import decoder_and_head, token_nll
 from ..methods import frequency_and_attention
 from ..patching import patch_state, weights_loaded
 from ..patching.ulysses import SequenceLayout, check_ulysses_model, require_ulysses, ulysses_attention
+from .perplexity import whole_head, window_nll
 from .sweep import AS_LOADED, positions_follow_length
 
 
@@ -59,7 +60,8 @@ def check_eval_sequence_parallel(size: int, *, processes: int, lengths: Sequence
 
 @dataclass
 class SequenceShards:
-    """This process's place in its sequence group, and the group that sums the per-token losses."""
+    """This process's place in its sequence group, and the group that sums the per-token losses. Under tensor
+    parallelism (``group=None``) the group is every process, each running the whole window on its share of weights."""
 
     layout: SequenceLayout
     group: Any
@@ -69,6 +71,8 @@ class SequenceShards:
                    next_tokens: Sequence[int | None] | None = None, loss_chunk: int = 1024) -> list[torch.Tensor]:
         """:func:`~rope_patch.eval.perplexity.window_nll` of the whole windows ``input_ids`` (B, L), computed by the
         sequence group, each process on its shard; every process returns the same losses."""
+        if self.group is None:
+            return window_nll(model, input_ids, scored_from, next_tokens=next_tokens, loss_chunk=loss_chunk)
         batch, length = input_ids.shape
         next_tokens = next_tokens or [None] * batch
         positions = torch.arange(length, device=input_ids.device).expand(batch, length)  # (B, L)
@@ -84,7 +88,7 @@ class SequenceShards:
         losses = torch.zeros(batch, length, dtype=torch.float32, device=input_ids.device)  # (B, L)
         with weights_loaded(head):
             device = head.weight.device
-            nll = token_nll(OutputHead.of(model), hidden[shard_scored].to(device),
+            nll = token_nll(whole_head(model), hidden[shard_scored].to(device),
                             shard_targets[shard_scored].to(device), chunk=loss_chunk)  # (scored in shard,)
         self.layout.split(losses)[shard_scored] = nll.float().to(losses.device)  # a view: fills this shard's span
         torch.distributed.all_reduce(losses, group=self.group)  # each position is one shard's: the sum is exact

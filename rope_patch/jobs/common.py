@@ -74,7 +74,7 @@ class SweepConfig(JobConfig):
             return loaded
         return load_for_job(self.model, dtype=self.dtype, attn_implementation=self.attn_implementation, device=device,
                             native_length=self.native_length, device_map=self.device_map,
-                            offload_folder=self.offload_folder)
+                            offload_folder=self.offload_folder, tp_plan=getattr(self, "tp_plan", None))
 
     def setup(self, loaded: LoadedModel, **settings: Any) -> dict[str, Any]:
         """The settings that key this job's finished rows, beside what the sweep reads from the model itself (its
@@ -122,12 +122,13 @@ def settle_native_length(model: nn.Module, given: int | None) -> int:
 
 def load_for_job(name: str | None, *, dtype: str, attn_implementation: str | None,
                  device: str | torch.device | None = None, native_length: int | None = None,
-                 device_map: str | None = None, offload_folder: str | None = None) -> LoadedModel:
+                 device_map: str | None = None, offload_folder: str | None = None,
+                 tp_plan: str | None = None) -> LoadedModel:
     """Load the model a job names (the embedded default for None), with SDPA or FlashAttention 2 by default."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(name, dtype=dtype, device=device, native_length=native_length,
                                   attn_implementation=attn_implementation or default_attention(device),
-                                  device_map=device_map, offload_folder=offload_folder)
+                                  device_map=device_map, offload_folder=offload_folder, tp_plan=tp_plan)
     return LoadedModel(model, tokenizer, model_label(name))
 
 

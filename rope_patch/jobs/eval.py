@@ -15,7 +15,7 @@ from ..data import documents_fingerprint, load_documents, resolve_bos, select_do
 from ..errors import ConfigError
 from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, check_chunked_loss, evaluate
 from ..eval.perplexity_report import format_table, summarize, write_reports
-from ..eval.sequence_parallel import check_eval_sequence_parallel, sequence_shards
+from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.store import ResultStore
 from ..eval.sweep import method_entries
 from ..patching import input_device, native_length
@@ -48,6 +48,9 @@ class EvalConfig(SweepConfig):
     batch_size: int = option(1, "windows per forward")
     bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer, and under the disjoint "
                               "protocol uses lm-eval's prefix token (BOS, else EOS)", choices=tuple(BOS_CHOICES))
+    tp_plan: str | None = option(None, "transformers' tensor parallelism: auto splits each layer's weights over the "
+                                       "processes of torchrun or accelerate launch, which score each window together",
+                                 choices=("auto",))
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots "
                                              "(none from Python with output=None)")
@@ -59,6 +62,9 @@ class EvalConfig(SweepConfig):
         if self.documents is not None and self.documents < 1:
             raise ConfigError(f"--documents {self.documents}: give a positive number, or leave it out for all")
         self.protocol_with(None).check(self.lengths)
+        if self.tp_plan is not None and (self.device_map is not None or self.sequence_parallel > 1):
+            raise ConfigError("--tp-plan does not combine with --device-map or --sequence-parallel: choose one way "
+                              "to split the model")
         if self.sequence_parallel > 1:
             check_eval_sequence_parallel(self.sequence_parallel, processes=self.sequence_parallel,
                                          lengths=self.lengths, batch_size=self.batch_size, methods=self.method)
@@ -132,7 +138,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
                 "stride": protocol.effective_stride, "bos": protocol.bos, "documents": [d.id for d in chosen],
                 "skipped": skipped, "seed": config.seed, "batch_size": config.batch_size,
                 "native_length": native_length(model), "processes": accelerator.num_processes,
-                "sequence_parallel": config.sequence_parallel,
+                "sequence_parallel": config.sequence_parallel, "tp_plan": config.tp_plan,
                 "output": config.output}
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
     store = None
@@ -140,8 +146,11 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
         with accelerator.main_process_first():
             store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS)
 
+    rank, world = accelerator.process_index, accelerator.num_processes
     shards = contextlib.nullcontext() if config.sequence_parallel == 1 else sequence_shards(
-        model, config.sequence_parallel, rank=accelerator.process_index, world=accelerator.num_processes)
+        model, config.sequence_parallel, rank=rank, world=world)
+    if config.tp_plan is not None:  # every process takes part in every window
+        shards = contextlib.nullcontext(SequenceShards(SequenceLayout.of(world, rank, world), group=None))
     with fast_path(model, config.kernels), shards as sharding:
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
                                      batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,

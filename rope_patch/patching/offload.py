@@ -49,7 +49,8 @@ def lacks_weights(model: nn.Module) -> bool:
 
 def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``model.named_parameters()``, with an offloaded weight's stored values in place of its meta placeholder (one
-    tensor at a time, read from the offload folder's memory map); a weight with nothing behind it stays meta."""
+    tensor at a time, read from the offload folder's memory map) and a tensor-parallel weight gathered whole; a
+    weight with nothing behind it stays meta."""
     seen: set[int] = set()  # a tied weight once, as named_parameters() gives it
     for module_name, module in model.named_modules():
         weights = offload_weights_map(module)
@@ -60,6 +61,8 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             full = f"{module_name}.{name}" if module_name else name
             if parameter.is_meta and weights is not None and name in weights:
                 yield full, weights[name]
+            elif hasattr(parameter, "full_tensor"):  # tensor parallelism: this process's shard of a DTensor
+                yield full, parameter.full_tensor()
             else:
                 yield full, parameter
 
