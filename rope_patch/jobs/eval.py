@@ -13,11 +13,12 @@ from accelerate import Accelerator
 
 from ..data import documents_fingerprint, load_documents, resolve_bos, select_documents, tokenize_documents
 from ..errors import ConfigError
+from ..methods import frequency_and_attention
 from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, check_chunked_loss, evaluate
 from ..eval.perplexity_report import format_table, summarize, write_reports
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.store import ResultStore
-from ..eval.sweep import method_entries
+from ..eval.sweep import AS_LOADED, method_entries
 from ..patching import input_device, native_length
 from .common import SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import option
@@ -65,6 +66,10 @@ class EvalConfig(SweepConfig):
         if self.tp_plan is not None and (self.device_map is not None or self.sequence_parallel > 1):
             raise ConfigError("--tp-plan does not combine with --device-map or --sequence-parallel: choose one way "
                               "to split the model")
+        attention = [m for m in self.method if m != AS_LOADED and frequency_and_attention(m)[1]]
+        if self.tp_plan is not None and attention:
+            raise ConfigError(f"--tp-plan cannot evaluate {attention[0]}: its two-band attention was not checked on "
+                              "tensor-parallel heads; evaluate attention-level methods without --tp-plan")
         if self.sequence_parallel > 1:
             check_eval_sequence_parallel(self.sequence_parallel, processes=self.sequence_parallel,
                                          lengths=self.lengths, batch_size=self.batch_size, methods=self.method)

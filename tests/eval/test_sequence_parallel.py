@@ -106,6 +106,11 @@ def test_tensor_parallel_weights_score_as_one_process(workspace, tmp_path):
 # --- misuse: one line each ------------------------------------------------------------------------------------
 
 
+def test_attention_level_methods_are_refused_under_tensor_parallelism():
+    with pytest.raises(ConfigError, match="--tp-plan cannot evaluate rerope:window=16"):
+        EvalConfig(tp_plan="auto", method=["rerope:window=16"], lengths=[64])
+
+
 @needs_deepspeed
 def test_attention_level_methods_are_refused_by_name():
     with pytest.raises(ConfigError, match="cannot evaluate self_extend:group=4,window=16: its two-band attention"):
