@@ -77,8 +77,9 @@ def parse_device_map(value: DeviceMap | os.PathLike | None) -> DeviceMap | None:
 
 
 def _checked_map(device_map: Any, source: str) -> dict[str, int | str]:
-    if not isinstance(device_map, dict) or not device_map or not all(
-            isinstance(k, str) and isinstance(v, (int, str)) and not isinstance(v, bool) for k, v in device_map.items()):
+    valid = (isinstance(device_map, dict) and device_map and
+             all(isinstance(k, str) and type(v) in (int, str) for k, v in device_map.items()))  # bool is no device
+    if not valid:
         raise ConfigError(f"{source}: give a JSON object of module name -> device (a GPU index, \"cpu\" or \"disk\"), "
                           'e.g. {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "disk", ...}')
     return device_map
