@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import cache_dir, quiet_hub_requests
@@ -231,8 +231,11 @@ def load_model(
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         kwargs |= {"device_map": device_map, "offload_folder": None if offload_folder is None else str(offload_folder)}
-    if tp_plan is not None:
-        kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
+    if tp_plan is not None:  # transformers >= 5.18 takes it in a DistributedConfig, earlier ones as tp_plan=
+        import transformers
+
+        config_class = getattr(transformers, "DistributedConfig", None)
+        kwargs |= {"distributed_config": config_class(tp_plan=tp_plan)} if config_class else {"tp_plan": tp_plan}
     try:
         with quiet_hub_requests():
             tokenizer = AutoTokenizer.from_pretrained(path)
