@@ -46,3 +46,8 @@ class KernelsUnavailableError(RopePatchError):
 class NativeLengthError(RopePatchError):
     """A checkpoint whose config does not state its native (pretraining) context length where a computation needs it;
     the message asks for ``native_length=`` / ``--native-length``."""
+
+
+class DiskFullError(RopePatchError):
+    """A result could not be written: no space left on the device (ENOSPC), the disk quota (EDQUOT) or the file size
+    limit (EFBIG) reached. The message names the folder and the space needed; what was written before is kept."""

@@ -16,13 +16,15 @@ from ..errors import ConfigError
 from ..methods import frequency_and_attention
 from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, check_chunked_loss, evaluate
 from ..eval.perplexity_report import format_table, summarize, write_reports
+from ..eval.files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
-from ..eval.store import ResultStore
+from ..eval.store import open_store
 from ..eval.sweep import AS_LOADED, method_entries
 from ..patching import input_device, native_length
-from .common import SweepConfig, fast_path, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import option
 
+JOB = "rope-patch eval"
 BOS_CHOICES = {"auto": None, "yes": True, "no": False}
 
 
@@ -54,7 +56,7 @@ class EvalConfig(SweepConfig):
                                  choices=("auto",))
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots "
-                                             "(none from Python with output=None)")
+                                             "(none from Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()
@@ -122,12 +124,19 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     if config.device_map is not None and accelerator.num_processes > 1:
         raise ConfigError(f"--device-map places one model over this machine's devices in one process, not "
                           f"{accelerator.num_processes}: run rope-patch eval without accelerate launch")
-    sequence_parallel = dict(processes=accelerator.num_processes, lengths=config.lengths,
-                             batch_size=config.batch_size, methods=config.method)
-    check_eval_sequence_parallel(config.sequence_parallel, **sequence_parallel)
+    check_eval_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes,
+                                 lengths=config.lengths, batch_size=config.batch_size, methods=config.method)
+    with contextlib.ExitStack() as stack:  # the output folder held, and the store closed, on success and on error
+        stack.enter_context(output_folder(config.output, job=JOB, writer=accelerator.is_main_process))
+        return _run(config, loaded, corpus, accelerator, stack)
+
+
+def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Accelerator,
+         stack: contextlib.ExitStack) -> EvalResult:
     loaded = config.load(loaded, device=accelerator.device)
     model = loaded.model
-    check_eval_sequence_parallel(config.sequence_parallel, **sequence_parallel, model=model)
+    check_eval_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, lengths=config.lengths,
+                                 batch_size=config.batch_size, methods=config.method, model=model)
     settle_native_length(model, config.native_length)
     with accelerator.main_process_first():
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
@@ -146,10 +155,9 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
                 "sequence_parallel": config.sequence_parallel, "tp_plan": config.tp_plan,
                 "output": config.output}
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
-    store = None
-    if config.output is not None:
-        with accelerator.main_process_first():
-            store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS)
+    results = Path(config.output) / "results.jsonl" if config.output is not None else None
+    with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
+        store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process, job=JOB))
 
     rank, world = accelerator.process_index, accelerator.num_processes
     shards = contextlib.nullcontext() if config.sequence_parallel == 1 else sequence_shards(

@@ -11,10 +11,10 @@ from typing import Any, ClassVar
 from ..errors import ConfigError
 from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_lengths, sweep_window
 from ..eval.harness_report import format_table, summarize, write_reports
-from ..eval.store import ResultStore
+from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import flag, option
 
 METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
@@ -41,7 +41,7 @@ class LmEvalConfig(SweepConfig):
                                                    "RULER: each length is then its own lm-eval run")
     output: str | None = option("runs/lm_eval", "folder for lm-eval's results JSON per method, results.jsonl "
                                                 "(resumable), summary.csv/.json and score_vs_length.png (none from "
-                                                "Python with output=None)")
+                                                "Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()
@@ -113,7 +113,13 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     window = config.max_length
     if window is None and not sweep_lengths(config.metadata or {}):  # one window for every method, or a refusal
         window = sweep_window(loaded.model, method_entries(loaded.model, config.method))
-    store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
+    results = Path(config.output) / "results.jsonl" if config.output is not None else None
+    with open_store(results, KEY_FIELDS, job="rope-patch lm-eval") as store:  # held until the reports are written
+        return _run(config, loaded, catalog, window, store)
+
+
+def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window: int | None,
+         store: ResultStore | None) -> LmEvalResult:
     with fast_path(loaded.model, config.kernels):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
