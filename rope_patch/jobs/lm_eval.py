@@ -14,7 +14,7 @@ from ..eval.harness_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import LoadedModel, SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import flag, option
 
 METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
@@ -25,6 +25,7 @@ class LmEvalConfig(SweepConfig):
     """Every choice of an lm-eval run. Field names are the ``rope-patch lm-eval`` options and the YAML keys."""
 
     command: ClassVar[str] = "lm-eval"
+    sequence_parallel_refusal: ClassVar[str | None] = "lm-evaluation-harness runs its own forward loop"
 
     tasks: list[str] = option([], "lm-eval task, group or tag names, comma-separated, e.g. niah_single_1,ruler_vt")
     include_path: str | None = option(None, "folder of task YAML files of your own (lm-eval's --include_path)")
@@ -107,8 +108,7 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length)
     window = config.max_length
     if window is None and not sweep_lengths(config.metadata or {}):  # one window for every method, or a refusal

@@ -11,7 +11,7 @@ from ..eval.passkey_report import format_table, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import LoadedModel, SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import option
 
 
@@ -20,6 +20,8 @@ class PasskeyConfig(SweepConfig):
     """Every choice of a passkey run. Field names are the ``rope-patch passkey`` options and the YAML keys."""
 
     command: ClassVar[str] = "passkey"
+    sequence_parallel_refusal: ClassVar[str | None] = (
+        "generation decodes one token at a time against a KV cache that Ulysses' split prefill does not build")
 
     lengths: list[int] = option([4096, 8192, 16384], "prompt lengths in tokens, e.g. 4096,8192,16k", tokens=True)
     depths: list[float] = option([0.0, 0.25, 0.5, 0.75, 1.0], "key depths as fractions of the filler, 0 = start, 1 = end")
@@ -62,8 +64,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
     with open_store(results, KEY_FIELDS, job="rope-patch passkey") as store:  # held until the reports are written

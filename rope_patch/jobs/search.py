@@ -32,8 +32,8 @@ from ..eval.store import open_store
 from ..eval.sweep import model_setup
 from ..methods.evolution import (LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget,
                                  yarn_factors)
-from ..patching import native_length, primary_rotary, rotary_setup
-from .common import LoadedModel, SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from ..patching import input_device, native_length, primary_rotary, rotary_setup
+from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
 from .eval import BOS_CHOICES
 from .options import option
 
@@ -46,6 +46,7 @@ class SearchConfig(SweepConfig):
     """Every choice of a search. Field names are the ``rope-patch search`` options and the YAML keys."""
 
     command: ClassVar[str] = "search"
+    sequence_parallel_refusal: ClassVar[str | None] = "the search scores its candidates in one process"
 
     method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
                                    "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",
@@ -178,8 +179,7 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
 
 def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.ExitStack) -> SearchResult:
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     model = loaded.model
     native = settle_native_length(model, config.native_length)
     if config.target_length <= native:
@@ -190,7 +190,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     protocol = Protocol("truncate", None, resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
     heldin, heldout = choose_documents(tokenize_documents(loaded.tokenizer, corpus),
                                        protocol.min_tokens(config.target_length), config)
-    probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=next(model.parameters()).device)[None]
+    probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe)
 
     settings = {"model": loaded.label, "dtype": loaded.dtype,
