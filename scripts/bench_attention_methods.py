@@ -35,7 +35,7 @@ def measure(method: str, args, queue=None) -> dict:
     """Load the default model, patch ``method``, score one window; time, loss and peak memory."""
     from rope_patch import patch
     from rope_patch.data import load_documents, tokenize_documents
-    from rope_patch.eval.perplexity import window_nll
+    from rope_patch.eval.window_loss import window_nll
     from rope_patch.loading import default_attention, load_model
 
     model, tokenizer = load_model(None, dtype=args.dtype, device=args.device,

@@ -54,7 +54,7 @@ def nll_plain(model, ids: torch.Tensor) -> float:
 
 @torch.no_grad()
 def nll_ours(model, ids: torch.Tensor, loss_chunk: int) -> float:
-    from rope_patch.eval.perplexity import window_nll
+    from rope_patch.eval.window_loss import window_nll
 
     return window_nll(model, ids, [1], loss_chunk=loss_chunk)[0].double().mean().item()
 

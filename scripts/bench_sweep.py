@@ -19,7 +19,8 @@ import time
 import torch
 
 from rope_patch.data import load_documents, tokenize_documents
-from rope_patch.eval.perplexity import evaluate, perplexity
+from rope_patch.eval.perplexity import evaluate
+from rope_patch.eval.windows import perplexity
 from rope_patch.loading import default_attention, load_model
 
 

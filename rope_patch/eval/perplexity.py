@@ -1,26 +1,11 @@
 """Long-context perplexity: many methods × many lengths on one loaded model, every method on the same windows.
 
-Protocols (named in every record and output):
-
-* ``truncate``: each document is cut to its first L tokens and scored in one forward (the YaRN and PI Proof-pile
-  runs). A causal model's loss on the first L tokens is the same in any longer forward as long as the method's
-  positions do not follow the sequence length, so for every method but the dynamic ones (and longrope, whose factors
-  switch at the native length) one forward per document at the longest length gives every shorter length of the
-  sweep (a *shared forward*; each record's ``forward_length`` says which forward it came from);
-* ``sliding``: windows of L tokens advance by ``stride``; each token is scored once, by the first window that ends at
-  or after it, so it sees between L − stride and L − 1 tokens of context (the PI paper's S = 256). Every window is
-  exactly L tokens long: the last one ends at the document's end.
-* ``disjoint``: lm-evaluation-harness's rolling log-likelihood, token for token. Windows of L input tokens, each
-  scoring L tokens: the first is ``[BOS] + L − 1 document tokens`` predicting the first L document tokens; each next
-  window starts one token before the first token it predicts (its only context from the past), and the last one
-  ends at the document's end, its extra context overlapping the window before.
-
-BOS is explicit: with a BOS id every window is ``[BOS] + L − 1 document tokens`` and all of them are scored;
-without, the window is L document tokens and its first token, having no context, is not scored.
-
-Perplexity is token-weighted, exp(Σ NLL / Σ scored tokens), never a mean of window means. The loss goes from the
-model's last hidden state through the output head in chunks (:mod:`rope_patch.loss`), so full-vocabulary logits never
-exist for a whole window.
+The windows come from a protocol (:mod:`.windows`: ``truncate``, ``sliding``, ``disjoint``, BOS explicit) and each
+window's per-token loss from :mod:`.window_loss`. Under ``truncate`` a causal model's loss on the first L tokens is the
+same in any longer forward as long as the method's positions do not follow the sequence length, so for every method
+but the dynamic ones (and longrope, whose factors switch at the native length) one forward per document at the longest
+length gives every shorter length of the sweep (a *shared forward*; each record's ``forward_length`` says which forward
+it came from). Perplexity is token-weighted, exp(Σ NLL / Σ scored tokens), never a mean of window means.
 """
 
 from __future__ import annotations
@@ -28,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,172 +23,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data import TokenizedDocument
-from ..errors import ConfigError, UnsupportedModelError
-from ..loss import OutputHead, decoder_and_head, token_nll
-from ..patching import fixed_length, forget_lengths_seen, input_device, weights_loaded
+from ..patching import fixed_length, forget_lengths_seen, input_device
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
+from .window_loss import window_nll
+from .windows import Protocol, Window
 
-PROTOCOLS = ("truncate", "sliding", "disjoint")
 UNIT_FIELDS = ("length", "protocol", "stride", "document")
 KEY_FIELDS = ("setup", "method", *UNIT_FIELDS)
 POSITION_BINS = 128  # the loss-by-position curve keeps this many bins per length
 OOM_HINT = "try --dtype bf16, fewer or shorter --lengths, or more GPUs (accelerate launch)"
-
-
-# ----------------------------------------------------------------------------------------------- pure maths
-
-
-@dataclass(frozen=True)
-class Window:
-    """Document tokens ``[start, end)``, after a BOS token with ``bos``, go into one forward; tokens
-    ``[scored_from, end)`` are scored, and with ``next_token`` the token right after the window too (predicted by its
-    last position, as lm-eval does)."""
-
-    document: int  # index into the evaluated documents
-    start: int
-    end: int
-    scored_from: int
-    next_token: bool = False
-    bos: bool = False
-
-
-@dataclass(frozen=True)
-class Protocol:
-    """How documents become scored windows: ``truncate`` or ``sliding`` (with ``stride``), with or without BOS."""
-
-    name: str = "truncate"
-    stride: int | None = None
-    bos_id: int | None = None
-
-    @property
-    def bos(self) -> bool:
-        return self.bos_id is not None
-
-    @property
-    def effective_stride(self) -> int | None:
-        """The stride that identifies results (None where the protocol has none)."""
-        return self.stride if self.name == "sliding" else None
-
-    def check(self, lengths: Sequence[int]) -> None:
-        """Reject a bad protocol, stride or length before any model work."""
-        if self.name not in PROTOCOLS:
-            raise ConfigError(f"unknown protocol {self.name!r}; use one of {', '.join(PROTOCOLS)}")
-        least = 2 + int(self.bos)
-        if not lengths or any(int(n) != n or n < least for n in lengths):
-            raise ConfigError(f"lengths {list(lengths)!r}: give whole numbers of at least {least} tokens")
-        if self.name == "sliding":
-            if self.stride is None or int(self.stride) < 1:
-                raise ConfigError("the sliding protocol needs a positive --stride (the PI paper uses 256)")
-            if self.stride >= min(lengths) - int(self.bos):  # each window's first scored token needs context in it
-                raise ConfigError(f"stride {self.stride} must be smaller than the shortest window ({min(lengths)} "
-                                  f"tokens{', BOS included' if self.bos else ''}); use a smaller --stride, e.g. 256, "
-                                  "or --protocol disjoint for windows that do not overlap (lm-eval's)")
-
-    def min_tokens(self, length: int) -> int:
-        """Document tokens a document needs to be scored at ``length``."""
-        return length - int(self.bos) + int(self.name == "disjoint")
-
-    def windows(self, document: int, n_tokens: int, length: int) -> list[Window]:
-        """The windows of one document at ``length`` (BOS included), or none if the document is too short."""
-        span = length - int(self.bos)  # document tokens per window
-        if n_tokens < self.min_tokens(length):
-            return []
-        if self.name == "disjoint":
-            return self._disjoint_windows(document, n_tokens, length)
-        first = Window(document, 0, span, 0 if self.bos else 1, bos=self.bos)
-        if self.name == "truncate":
-            return [first]
-        ends = list(range(span, n_tokens + 1, self.stride))
-        if ends[-1] != n_tokens:
-            ends.append(n_tokens)
-        return [first] + [Window(document, end - span, end, previous, bos=self.bos)
-                          for previous, end in zip(ends, ends[1:])]
-
-    def _disjoint_windows(self, document: int, n_tokens: int, length: int) -> list[Window]:
-        """lm-eval's ``get_rolling_token_windows(context_len=1)`` made disjoint: every document token scored once. Only
-        the first window starts with BOS; the others are L document tokens."""
-        first = Window(document, 0, length - int(self.bos), 0 if self.bos else 1, next_token=True, bos=self.bos)
-        windows, scored = [first], first.end + 1  # the next document token to score
-        while scored < n_tokens:
-            stop = min(n_tokens, scored + length)  # predict [scored, stop) from the L tokens before stop
-            windows.append(Window(document, stop - length - 1, stop - 1, scored, next_token=True))
-            scored = stop
-        return windows
-
-    def describe(self) -> str:
-        return describe_protocol(self.name, self.effective_stride, self.bos)
-
-
-def describe_protocol(name: str, stride: int | None, bos: bool) -> str:
-    """How the numbers were obtained, in words, for every output."""
-    how = {"sliding": f"sliding window, stride {stride}", "truncate": "truncate (first L tokens; static methods share one forward per document at the longest length)",
-           "disjoint": "disjoint windows of L tokens (lm-eval's rolling log-likelihood)"}[name]
-    return f"protocol {how}; BOS {'prepended to every window' if bos else 'not added'}; token-weighted perplexity"
-
-
-def perplexity(nll: float, tokens: int) -> float:
-    """Token-weighted perplexity exp(Σ NLL / Σ tokens)."""
-    return math.exp(nll / tokens) if tokens else float("nan")
-
-
-def bootstrap_interval(
-    nll: Sequence[float], tokens: Sequence[int], *, samples: int = 1000, seed: int = 0
-) -> tuple[float, float]:
-    """95 % interval of the token-weighted perplexity, resampling whole documents with replacement."""
-    nll, tokens = np.asarray(nll, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
-    picks = np.random.default_rng(seed).integers(0, len(nll), size=(samples, len(nll)))  # (samples, documents)
-    values = np.exp(nll[picks].sum(axis=1) / tokens[picks].sum(axis=1))
-    low, high = np.percentile(values, [2.5, 97.5])
-    return float(low), float(high)
-
-
-# ----------------------------------------------------------------------------------------------- the loss
-
-
-@torch.no_grad()
-def window_nll(model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[int], *,
-               next_tokens: Sequence[int | None] | None = None, loss_chunk: int = 1024) -> list[torch.Tensor]:
-    """Per-token NLL (float32) of positions ``scored_from[b]`` … L−1 of each row of ``input_ids`` (B, L), then of
-    ``next_tokens[b]`` (the token after the row, predicted by its last position) where one is given. The decoder runs
-    to its last hidden state, and only the positions that predict a scored token go through the output head."""
-    decoder, head = decoder_and_head(model)
-    hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, H)
-    next_tokens = next_tokens or [None] * len(scored_from)
-    length = input_ids.shape[1]
-    states, targets = [], []
-    for b, (s, following) in enumerate(zip(scored_from, next_tokens)):
-        last = length if following is not None else length - 1  # hidden states up to here predict a scored token
-        states.append(hidden[b, s - 1 : last])  # (n_b, H)
-        targets.append(input_ids[b, s:] if following is None else
-                       torch.cat([input_ids[b, s:], input_ids.new_tensor([following])]))  # (n_b,)
-    with weights_loaded(head):  # a head offloaded by --device-map: its weight read in, not its meta placeholder
-        device = head.weight.device  # under a device map, the head's device may not be the last layer's
-        nll = token_nll(whole_head(model), torch.cat(states).to(device), torch.cat(targets).to(device),
-                        chunk=loss_chunk)
-    return list(nll.split([t.shape[0] for t in targets]))
-
-
-def whole_head(model: nn.Module) -> OutputHead:
-    """The output head with its whole weight on this process: under tensor parallelism (``--tp-plan``) the weight is
-    a DTensor shard, gathered here (the head alone, V × H)."""
-    head = OutputHead.of(model)
-    if hasattr(head.weight, "full_tensor"):
-        bias = head.bias.full_tensor() if hasattr(head.bias, "full_tensor") else head.bias
-        head = replace(head, weight=head.weight.full_tensor(), bias=bias)
-    return head
-
-
-@torch.no_grad()
-def check_chunked_loss(model: nn.Module, input_ids: torch.Tensor, *, tolerance: float = 1e-3) -> None:
-    """Refuse a model whose output head does more than ``lm_head`` (+ soft-capping): compare with its own loss once."""
-    ours = window_nll(model, input_ids, [1]).pop().double().mean().item()
-    plain = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
-    if abs(ours - plain) > tolerance * max(1.0, abs(plain)):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: the loss from its last hidden state ({ours:.5f}) differs from its own loss "
-            f"({plain:.5f}); its output head transforms logits in a way rope_patch does not reproduce"
-        )
 
 
 def is_out_of_memory(error: BaseException) -> bool:

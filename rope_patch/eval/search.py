@@ -21,7 +21,8 @@ from torch import nn
 from ..data import TokenizedDocument
 from ..errors import RopePatchError
 from ..patching import patched
-from .perplexity import Protocol, evaluate, perplexity
+from .perplexity import evaluate
+from .windows import Protocol, perplexity
 from .store import ResultStore, record_key
 from .sweep import method_entries
 

@@ -25,7 +25,7 @@ from ..loss import decoder_and_head, token_nll
 from ..methods import frequency_and_attention
 from ..patching import patch_state, weights_loaded
 from ..patching.ulysses import SequenceLayout, check_ulysses_model, require_ulysses, ulysses_attention
-from .perplexity import whole_head, window_nll
+from .window_loss import whole_head, window_nll
 from .sweep import AS_LOADED, positions_follow_length
 
 
@@ -69,7 +69,7 @@ class SequenceShards:
     @torch.no_grad()
     def window_nll(self, model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[int], *,
                    next_tokens: Sequence[int | None] | None = None, loss_chunk: int = 1024) -> list[torch.Tensor]:
-        """:func:`~rope_patch.eval.perplexity.window_nll` of the whole windows ``input_ids`` (B, L), computed by the
+        """:func:`~rope_patch.eval.window_loss.window_nll` of the whole windows ``input_ids`` (B, L), computed by the
         sequence group, each process on its shard; every process returns the same losses."""
         if self.group is None:
             return window_nll(model, input_ids, scored_from, next_tokens=next_tokens, loss_chunk=loss_chunk)

@@ -14,7 +14,9 @@ from accelerate import Accelerator
 from ..data import documents_fingerprint, load_documents, resolve_bos, select_documents, tokenize_documents
 from ..errors import ConfigError
 from ..methods import frequency_and_attention
-from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, check_chunked_loss, evaluate
+from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate
+from ..eval.window_loss import check_chunked_loss
+from ..eval.windows import PROTOCOLS, Protocol
 from ..eval.perplexity_report import format_table, summarize, write_reports
 from ..eval.files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards

@@ -24,7 +24,9 @@ from tqdm.auto import tqdm
 
 from ..data import documents_fingerprint, load_documents, resolve_bos, select_documents, tokenize_documents
 from ..errors import ConfigError, DataError
-from ..eval.perplexity import KEY_FIELDS, Protocol, check_chunked_loss
+from ..eval.perplexity import KEY_FIELDS
+from ..eval.window_loss import check_chunked_loss
+from ..eval.windows import Protocol
 from ..eval.search import CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, transformers_snippet
 from ..eval.search_report import format_table, write_reports
 from ..eval.files import atomic_write, output_folder

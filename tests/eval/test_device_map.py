@@ -19,7 +19,8 @@ from rope_patch.cli import main
 from rope_patch.data import TokenizedDocument
 from rope_patch.errors import ConfigError
 from rope_patch.eval.passkey import evaluate_passkey
-from rope_patch.eval.perplexity import Protocol, evaluate
+from rope_patch.eval.perplexity import evaluate
+from rope_patch.eval.windows import Protocol
 from rope_patch.eval.sweep import model_fingerprint
 from rope_patch.jobs import run_eval
 from rope_patch.loading import load_model

@@ -17,7 +17,9 @@ from tiny_models import build_model, tiny_llama_config
 import rope_patch
 from rope_patch.cli import main, parse
 from rope_patch.data import TokenizedDocument
-from rope_patch.eval.perplexity import KEY_FIELDS, Protocol, Window, bootstrap_interval, evaluate, perplexity, window_nll
+from rope_patch.eval.perplexity import KEY_FIELDS, evaluate
+from rope_patch.eval.window_loss import window_nll
+from rope_patch.eval.windows import Protocol, Window, bootstrap_interval, perplexity
 from rope_patch.eval.store import ResultStore
 from rope_patch.jobs import EvalConfig, run_eval
 
@@ -174,7 +176,8 @@ WORKER = textwrap.dedent("""
     from accelerate import Accelerator
     from tiny_models import build_model, tiny_llama_config
     from test_perplexity import random_documents
-    from rope_patch.eval.perplexity import Protocol, evaluate
+    from rope_patch.eval.perplexity import evaluate
+    from rope_patch.eval.windows import Protocol
     accelerator = Accelerator(cpu=True)
     model = build_model(tiny_llama_config())
     records, _ = evaluate(model, random_documents(90, 70, 130, 64), ["none", "yarn:factor=2"], [32, 64],

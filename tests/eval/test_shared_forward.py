@@ -15,7 +15,8 @@ from tiny_models import build_model, tiny_llama_config
 
 import rope_patch
 from rope_patch.data import TokenizedDocument
-from rope_patch.eval.perplexity import KEY_FIELDS, POSITION_BINS, Protocol, evaluate
+from rope_patch.eval.perplexity import KEY_FIELDS, POSITION_BINS, evaluate
+from rope_patch.eval.windows import Protocol
 from rope_patch.eval.perplexity_report import format_table, summarize
 from rope_patch.eval.store import ResultStore
 from rope_patch.eval.sweep import method_entries
