@@ -59,7 +59,8 @@ class DemoResult:
 
     def __str__(self) -> str:
         """The findings and the time; each part's own report is printed as it finishes (``str(result.eval)``...)."""
-        return f"{findings(self)}\n\ndemo ({self.plan.name} grid): {self.seconds:.0f} s, estimated {self.estimate.total:.0f} s"
+        return (f"{findings(self)}\n\ndemo ({self.plan.name} grid): {self.seconds:.0f} s, "
+                f"estimated {self.estimate.total:.0f} s")
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -75,7 +76,8 @@ def findings(result: DemoResult) -> str:
     for method in result.plan.eval_methods:
         at_native, longest = rows.get((method, native)), rows.get((method, lengths[-1]))
         if at_native is not None and longest is not None:
-            lines.append(f"  {method:<18} perplexity {at_native:6.2f} at {native:,} -> {longest:6.2f} at {lengths[-1]:,}")
+            lines.append(f"  {method:<18} perplexity {at_native:6.2f} at {native:,} "
+                         f"-> {longest:6.2f} at {lengths[-1]:,}")
     for method in result.plan.passkey_methods:
         cells = []
         for length in sorted({r["length"] for r in result.passkey.records}):

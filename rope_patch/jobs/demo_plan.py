@@ -99,10 +99,12 @@ def eval_forwards(methods: tuple[str, ...], lengths: list[int]) -> list[int]:
     return forwards
 
 
-def estimate(plan: DemoPlan, cost: ForwardCost, native: int, *, spent: float = 0.0, max_new_tokens: int = 8) -> Estimate:
+def estimate(plan: DemoPlan, cost: ForwardCost, native: int, *, spent: float = 0.0,
+             max_new_tokens: int = 8) -> Estimate:
     """The plan's seconds on a machine of this cost: one forward per eval forward and document, one prompt forward
     and ``max_new_tokens`` generated tokens per passkey trial."""
-    evals = plan.documents * sum(cost.forward(n) for n in eval_forwards(plan.eval_methods, scaled(plan.eval_lengths, native)))
+    forwards = eval_forwards(plan.eval_methods, scaled(plan.eval_lengths, native))
+    evals = plan.documents * sum(cost.forward(n) for n in forwards)
     trials = len(plan.passkey_methods) * len(plan.depths)
     passkey = trials * sum(cost.forward(n) + max_new_tokens * cost.per_new_token
                            for n in scaled(plan.passkey_lengths, native))
@@ -121,7 +123,8 @@ def cut_to_budget(plan: DemoPlan, cost: ForwardCost, native: int, budget: float,
 
 
 def _with_longest(plan: DemoPlan, tokens: int, native: int) -> DemoPlan:
-    return replace(plan, name=f"{plan.name}, cut to {tokens:,}", eval_lengths=plan.eval_lengths[:-1] + (tokens / native,))
+    lengths = plan.eval_lengths[:-1] + (tokens / native,)
+    return replace(plan, name=f"{plan.name}, cut to {tokens:,}", eval_lengths=lengths)
 
 
 def plan_for_budget(grid: str, cost: ForwardCost, native: int, budget: float, *, spent: float = 0.0
