@@ -1,7 +1,7 @@
 # Two commands on a fresh machine: `make demo` (the main job on the embedded default model) and `make test`.
 # Each installs what it needs into .venv, once. torch: a CUDA build where `nvidia-smi` works, else the CPU build
 # torch==$(TORCH_VERSION)+cpu (never several GB of CUDA packages on a CPU-only machine). Package indexes are pip's own
-# configuration (pip.conf, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS): see the README for a CPU wheel index.
+# configuration (pip.conf, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS): docs/install.md: a CPU wheel index.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	  $(PIP) install "torch>=2.4"; \
 	else \
 	  $(PIP) install "torch==$(TORCH_VERSION)+cpu" || { echo "make: no CPU build of torch $(TORCH_VERSION) on \
-	your package indexes; add PyTorch's CPU wheel index to pip's configuration (README: 'CPU-only machines')" >&2; \
+	your package indexes; add PyTorch's CPU wheel index to pip's configuration (docs/install.md)" >&2; \
 	exit 1; }; \
 	fi
 	$(PIP) install setuptools wheel
