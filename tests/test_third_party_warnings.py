@@ -1,0 +1,63 @@
+"""No third-party warning a user cannot act on. DeepSpeed's import prints "Setting accelerator to CPU" on every machine
+without a GPU; transformers' ``save_pretrained`` imports it (through accelerate's unwrap) whenever it is installed,
+which the first use of the embedded model did when it wrote its cache. The cache is now written without it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
+from transformers import AutoModelForCausalLM
+
+from rope_patch.loading import write_model_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_model_folder_reloads_as_the_same_model(tmp_path):
+    """What the embedded model's cache holds: the same weights (the tied output head stored once) and logits."""
+    model = build_model(tiny_llama_config(tie_word_embeddings=True))
+    write_model_folder(model, make_char_tokenizer(), tmp_path / "copy")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float32).eval()
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    original, copied = model.state_dict(), reloaded.state_dict()
+    assert original.keys() == copied.keys()
+    assert all(torch.equal(original[k], copied[k]) for k in original)
+    ids = torch.arange(4, 60)[None]
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)  # sdpa vs eager
+
+
+def test_writing_the_model_folder_does_not_import_deepspeed(tmp_path):
+    result = run_python(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tiny_models import build_model, make_char_tokenizer, tiny_llama_config\n"
+        "from rope_patch.loading import write_model_folder\n"
+        "write_model_folder(build_model(tiny_llama_config()), make_char_tokenizer(), Path('copy'))\n"
+        "print('deepspeed' in sys.modules)\n", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+    assert "WARNING" not in result.stderr
+
+
+def test_a_verb_prints_no_third_party_warning(tmp_path):
+    """``rope-patch eval`` on a tiny model folder, in a fresh process: its stderr holds progress bars only."""
+    build_model(tiny_llama_config(max_position_embeddings=256)).save_pretrained(tmp_path / "tiny")
+    make_char_tokenizer().save_pretrained(tmp_path / "tiny")
+    (tmp_path / "doc.txt").write_text("The grass is green. The sky is blue. " * 40)
+    result = run_python(
+        "from rope_patch.cli import main\n"
+        "main(['eval', '--model', 'tiny', '--dataset', 'doc.txt', '--lengths', '128,256', '--method', 'none',\n"
+        "      '--method', 'yarn:factor=2', '--output', 'out', '--no-progress'])\n", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "none" in result.stdout
+    assert not [line for line in result.stderr.splitlines() if "warn" in line.lower()], result.stderr
