@@ -61,7 +61,7 @@ def test_reference_logprobs_are_the_patched_models_own_log_softmax():
         ours = reference_logprobs(model, ids)
         logits = model(torch.tensor([ids])).logits[0].double()  # (n, V)
     expected = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]  # (n - 1,)
-    assert torch.allclose(torch.tensor(ours), expected, atol=1e-4)
+    assert torch.allclose(torch.tensor(ours, dtype=torch.float64), expected, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------- the probe check
