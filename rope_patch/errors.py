@@ -46,3 +46,8 @@ class KernelsUnavailableError(RopePatchError):
 class NativeLengthError(RopePatchError):
     """A checkpoint whose config does not state its native (pretraining) context length where a computation needs it;
     the message asks for ``native_length=`` / ``--native-length``."""
+
+
+class EngineUnsupportedError(RopePatchError):
+    """A serving engine (vLLM, SGLang, llama.cpp, plain transformers) cannot compute the model's RoPE exactly as
+    rope_patch does; the message names the engine, the method and what to do instead."""
