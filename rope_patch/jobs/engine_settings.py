@@ -3,18 +3,16 @@ it loads, and the methods it cannot run, refused by name before any model is loa
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from ..errors import ConfigError
-from ..eval.harness import patch_context_length
+from ..errors import ConfigError, EngineUnsupportedError
 from ..eval.sweep import AS_LOADED, MethodEntry
+from ..export.engines import serving_settings
 from ..methods import parse_method_spec
 from ..methods.registry import get_method
-from ..patching import patch_state
 
 
 def check_servable(entry: MethodEntry, engine: str) -> None:
@@ -33,26 +31,14 @@ def check_servable(entry: MethodEntry, engine: str) -> None:
 
 
 def vllm_serving(model: nn.Module, window: int) -> tuple[dict[str, Any], int]:
-    """vLLM's ``hf_overrides`` for the model as patched now, and the longest input they serve. ``max_position_embeddings``
-    goes with the rope_parameters: vLLM sizes its cos/sin caches (llama3, longrope) and LongRoPE's attention factor
-    from it. LongRoPE with short factors other than the long ones is refused for windows past the native length:
-    vLLM then rotates every sequence with the long factors (its fix for vllm#27414), transformers a short one with the
-    short factors."""
-    state = patch_state(model)
-    if state is not None and state.length_dependent and model.config.rope_parameters.get("rope_type") != "longrope":
-        raise ConfigError("--engine vllm: this method's frequencies follow the sequence length, which vLLM freezes at "
-                          "one length; evaluate it with --engine hf")
-    params = copy.deepcopy(model.config.rope_parameters)
-    if "rope_type" not in params:
-        raise ConfigError("--engine vllm: this method has no rope_parameters vLLM reads; evaluate it with --engine hf")
-    native = int(params.get("original_max_position_embeddings") or 0)
-    if params["rope_type"] == "longrope" and params.get("short_factor") != params.get("long_factor") and window > native:
-        raise ConfigError(f"--engine vllm: at a window past {native:,} tokens vLLM rotates every sequence with "
-                          "LongRoPE's long factors, transformers a shorter one with the short factors, so the scores "
-                          "would differ; give a spec whose short_factor equals its long_factor, a window of at most "
-                          f"{native:,}, or --engine hf")
-    return ({"rope_parameters": params, "max_position_embeddings": int(model.config.max_position_embeddings)},
-            int(patch_context_length(model)))
+    """vLLM's ``hf_overrides`` for the model as patched now (``rope_parameters`` and ``max_position_embeddings``, from
+    which vLLM sizes its cos/sin caches and LongRoPE's attention factor) and the longest input they serve; what vLLM
+    cannot compute exactly is refused with a pointer to ``--engine hf``."""
+    try:
+        settings = serving_settings(model, "vllm")
+    except EngineUnsupportedError as error:
+        raise EngineUnsupportedError(f"--engine vllm: {error}; or evaluate it with --engine hf") from None
+    return settings.overrides, settings.max_model_len
 
 
 def model_folder(model: nn.Module, name: str | None) -> str:

@@ -13,7 +13,7 @@ from test_harness import tasks_dir  # noqa: F401  (the two local lm-eval tasks, 
 from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
 from rope_patch.cli import main
-from rope_patch.errors import ConfigError, MissingExtraError
+from rope_patch.errors import ConfigError, EngineUnsupportedError, MissingExtraError
 from rope_patch.eval import harness_engines
 from rope_patch.eval.harness_engines import HfEngine, VllmEngine
 from rope_patch.eval.sweep import MethodEntry
@@ -151,7 +151,7 @@ def test_methods_vllm_cannot_run_are_refused_with_a_pointer_to_hf(spec, message)
         check_servable(entry, "vllm")
 
 
-def test_vllm_overrides_are_the_patched_config_and_longrope_short_long_is_refused_past_native():
+def test_vllm_overrides_come_from_serving_settings_and_longrope_short_long_is_refused():
     model = build_model(tiny_llama_config())  # native 64
     with patched(model, "yarn", factor=2.0):
         overrides, longest = vllm_serving(model, 128)
@@ -159,10 +159,8 @@ def test_vllm_overrides_are_the_patched_config_and_longrope_short_long_is_refuse
         assert overrides["max_position_embeddings"] == 128
     half = model.config.head_dim // 2
     longrope = dict(factor=2.0, short_factor=[1.0] * half, long_factor=[2.0] * half)
-    with patched(model, "longrope", **longrope):
-        assert vllm_serving(model, 64)[0]["rope_parameters"]["rope_type"] == "longrope"  # within native: short both
-        with pytest.raises(ConfigError, match="short_factor equals its long_factor"):
-            vllm_serving(model, 96)
+    with patched(model, "longrope", **longrope), pytest.raises(EngineUnsupportedError, match="short.*--engine hf"):
+        vllm_serving(model, 96)  # vLLM picks one list for every sequence, transformers by each one's length
     with patched(model, "longrope", **{**longrope, "short_factor": [2.0] * half}):
         assert vllm_serving(model, 128)[1] == 128
 
