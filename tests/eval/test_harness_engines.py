@@ -190,7 +190,6 @@ def test_without_vllm_one_line_says_how_to_get_it(tiny_folder, monkeypatch, caps
     (["--tensor-parallel-size", "2"], "go with --engine vllm"),
     (["--engine", "vllm", "--data-parallel-size", "0"], "positive whole numbers"),
     (["--engine", "vllm", "--engine-tolerance", "0"], "positive number"),
-    (["--engine", "sglang"], "invalid choice"),
 ])
 def test_bad_engine_options_exit_2_with_one_line(tiny_folder, tmp_path, capsys, argv, message):
     code = main(["lm-eval", "--model", str(tiny_folder[0]), "--tasks", "hellaswag", "--output",
