@@ -2,8 +2,8 @@
 
 The weights and hyper-parameters follow llama.cpp's ``convert_hf_to_gguf.py`` for the ``llama`` architecture (its
 tensor names from ``gguf.get_tensor_name_map``; W_q and W_k rows permuted from transformers' half-split pairs to
-llama.cpp's interleaved ones). The tokenizer is the embedded model's own GGUF tokenizer, taken when the model's vocabulary
-is the same; anything else is refused.
+llama.cpp's interleaved ones). The tokenizer is the embedded model's own GGUF tokenizer, taken when the model's
+vocabulary is the same; anything else is refused.
 
 The RoPE: llama.cpp computes, per pair i at position p (``ggml-cpu/ops.cpp``, ``llama-context.cpp``),
 θ = p · b^(−2i/d) / f_i (f_i: ``rope_freqs`` or LongRoPE's factor list, else 1), scaled by the ``rope.scaling`` type
@@ -76,7 +76,8 @@ def gguf_rope(rope: ServedRope, *, longrope_short_equals_long: bool = False) -> 
                      "rope.scaling.original_context_length": int(p["original_max_position_embeddings"])})
         return GgufRope(keys, {"rope_factors_long.weight": long, "rope_factors_short.weight": short},
                         how="rope.scaling.type longrope with rope_factors_long/short and attn_factor")
-    divisors = (default_inv_freq(base.rope_theta, base.dim) / inv_freq).numpy().astype(np.float32)  # [dim/2]
+    divisors = (default_inv_freq(base.rope_theta, base.dim) / inv_freq).numpy()  # [dim/2]
+    divisors = divisors.astype(np.float32)
     keys["rope.scaling.type"] = "none"
     if not math.isclose(attention, 1.0, rel_tol=0, abs_tol=1e-12):
         keys["rope.scaling.attn_factor"] = float(attention)
@@ -84,8 +85,9 @@ def gguf_rope(rope: ServedRope, *, longrope_short_equals_long: bool = False) -> 
 
 
 def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """transformers' half-split rotary rows [heads·dim, in] → llama.cpp's interleaved pairs (the converter's order)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    """transformers' half-split rotary rows [heads·dim, in] → llama.cpp's interleaved pairs (the converter's)."""
+    rows = weight.shape[0] // heads // 2
+    return weight.reshape(heads, 2, rows, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def embedded_tokenizer_fields(tokenizer) -> list[Any]:
