@@ -182,7 +182,8 @@ def _refusal(engine: str, rope: ServedRope, short_equals_long: bool) -> str | No
     if rule is None:
         return f"{rope.method} is not a built-in method (no engine knows a method registered at run time)"
     if not rule.supported:
-        return f"{rope.method}: {rule.note}" + ("; use --engine transformers" if engine != "transformers" else "")
+        fix = "; use --engine transformers" if engine != "transformers" else ""
+        return f"{rope.method}: {rule.note}{fix}"
     if engine != "transformers" and rope.per_layer_type:
         return "per-layer-type RoPE (Gemma 3 style): rope_patch exports one RoPE per model to this engine"
     if not rope.spelt:
@@ -277,7 +278,7 @@ def _cell(engine: str, method: str) -> str:
 
 
 def support_table() -> str:
-    """The method × engine support table in Markdown, from :data:`RULES` (docs/export.md holds a copy a test checks)."""
+    """The method × engine table in Markdown, from :data:`RULES` (docs/export.md holds a copy a test checks)."""
     methods = [m for m in available_methods() if m in RULES["vllm"] or get_method(m).kind == "attention"]
     header = "| method | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |"
     lines = [header, "|---" * (len(ENGINES) + 1) + "|"]
