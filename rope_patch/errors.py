@@ -51,3 +51,8 @@ class NativeLengthError(RopePatchError):
 class EngineUnsupportedError(RopePatchError):
     """A serving engine (vLLM, SGLang, llama.cpp, plain transformers) cannot compute the model's RoPE exactly as
     rope_patch does; the message names the engine, the method and what to do instead."""
+
+
+class EngineMismatchError(RopePatchError):
+    """A serving engine whose log-probabilities on the probe differ from the patched transformers model's beyond the
+    tolerance: its scores would not be the method's; the message gives the figure and points to ``--engine hf``."""

