@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-slow demo demo-full bench clean
+.PHONY: install test test-slow demo demo-full bench check-engines clean
 
 install: $(STAMP)
 
@@ -49,6 +49,13 @@ demo-full: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_eval.py
+
+# llama.cpp's own per-token log-probabilities on the exported f32 GGUF against rope_patch's patched forward, at 12k
+# tokens, for yarn x2, the searched LongRoPE, linear and llama3 (slow: llama-cpp-python builds from source, ~20 min
+# on 2 cores, then minutes per method). Results: runs/check_engines/llama_cpp.json.
+check-engines: $(STAMP)
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -e ".[engines]"
+	$(PY) scripts/check_engines.py --engine llama.cpp
 
 clean:
 	rm -rf $(VENV) .pytest_cache
