@@ -36,13 +36,17 @@ class TokenizedDocument:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of everything that decides how the tokenizer splits text (its full serialised form when it has one)."""
+    """A hash of everything that decides the token ids a job reads: the tokenizer's class, its full serialised form
+    where it has one (vocabulary, normalizer, pre-tokenizer, model, post-processor, added tokens), else its vocabulary,
+    and its BOS/EOS ids. The one fingerprint of a tokenizer: the token cache and every resume key use it, so a changed
+    normalizer (say, lowercasing) never reads back ids or results of the old one."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "to_str"):
         state = backend.to_str()
     else:
         state = json.dumps(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(f"{type(tokenizer).__name__}\n{state}".encode()).hexdigest()[:16]
+    special = json.dumps([getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)])
+    return hashlib.sha256(f"{type(tokenizer).__name__}\n{special}\n{state}".encode()).hexdigest()[:16]
 
 
 def tokenize_documents(tokenizer, documents: Sequence[Document], *, cache: bool = True) -> list[TokenizedDocument]:

@@ -27,6 +27,7 @@ from transformers import GenerationConfig
 
 from ..data import resolve_bos
 from ..errors import ConfigError, DataError
+from ..patching import forget_lengths_seen
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep
 
@@ -146,6 +147,7 @@ def answer(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 8) -> 
     """Greedy continuation of one prompt, decoded without special tokens."""
     device = next(model.parameters()).device
     input_ids = torch.tensor([prompt.input_ids], device=device)  # [1, length]
+    forget_lengths_seen(model)  # transformers' own dynamic scaling: as a freshly loaded model answers this prompt
     with greedy_generation(model):
         output = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens

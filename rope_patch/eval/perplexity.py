@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from ..data import TokenizedDocument
 from ..errors import ConfigError, UnsupportedModelError
 from ..loss import OutputHead, decoder_and_head, token_nll
-from ..patching import fixed_length
+from ..patching import fixed_length, forget_lengths_seen
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
 
@@ -380,6 +380,7 @@ class _Sweep:
                 for w in windows]
         ids = torch.as_tensor(np.stack(rows).astype(np.int64), device=device)  # (B, L)
         following = [int(self.documents[w.document].ids[w.end]) if w.next_token else None for w in windows]
+        forget_lengths_seen(self.model)  # transformers' own dynamic scaling: as a fresh model scores this length
         return window_nll(self.model, ids, [w.scored_from - w.start + w.bos for w in windows],
                           next_tokens=following, loss_chunk=self.loss_chunk)
 

@@ -5,8 +5,8 @@ The search itself is pure maths (:mod:`rope_patch.methods.evolution`); this modu
 perplexity loop every other evaluation uses (:func:`rope_patch.eval.perplexity.evaluate`, truncate protocol at the
 target length: one forward per document), so the fitness is exactly the number ``rope-patch eval`` reports for the
 same factors. Every scored candidate is written at once to its own store, keyed by the factors and by everything else
-that changes the score (model, dtype, documents, target, factor, BOS, attention, kernels): a rerun scores nothing
-twice.
+that changes the score (the model's fingerprint, dtype and attention implementation, the tokenizer, documents, target,
+factor, BOS and kernels): a rerun scores nothing twice.
 """
 
 from __future__ import annotations
@@ -101,10 +101,18 @@ def compare_methods(model: nn.Module, documents: Sequence[TokenizedDocument], me
 def transformers_snippet(model: nn.Module, spec: Mapping[str, Any]) -> dict[str, Any]:
     """What ``config.json`` says after patching ``model`` with ``spec`` (``rope_parameters`` and
     ``max_position_embeddings``, as ``save_pretrained`` writes them): merged into the model's own config.json, plain
-    transformers loads the searched model. The model is left as it was."""
+    transformers loads the searched model. The model is left as it was.
+
+    It also states the native length at the top level (``original_max_position_embeddings``): transformers prefers
+    that key to the one inside ``rope_parameters`` for longrope, so a config.json that carries another one (Phi-3
+    style, or a checkpoint whose native length was given with ``--native-length``) would otherwise be read with the
+    wrong native length."""
     params = {k: v for k, v in spec.items() if k != "name"}
     with patched(model, spec["name"], **params):
         config = model.config
-        return {"rope_parameters": dict(config.rope_parameters),
-                "max_position_embeddings": int(config.max_position_embeddings)}
+        rope_parameters = dict(config.rope_parameters)
+        snippet = {"rope_parameters": rope_parameters, "max_position_embeddings": int(config.max_position_embeddings)}
+        if "original_max_position_embeddings" in rope_parameters:
+            snippet["original_max_position_embeddings"] = int(rope_parameters["original_max_position_embeddings"])
+        return snippet
 

@@ -28,7 +28,8 @@ from torch import nn
 
 from ..methods import method_label, parse_method_spec
 from ..errors import ConfigError
-from ..patching import current_patch, find_rotary_modules, patch_state, patched
+from ..patching import (config_scaling_label, current_patch, find_rotary_modules, patch_state, patched,
+                        primary_rotary)
 from .store import ResultStore, record_key
 
 AS_LOADED = "as-loaded"  # a method spec: the model as loaded, with whatever scaling its checkpoint carries
@@ -52,8 +53,7 @@ def method_entries(model: nn.Module | None, specs: Sequence[MethodSpec]) -> list
     entries: list[MethodEntry] = []
     for spec in specs:
         if spec == AS_LOADED:
-            current = current_patch(model) if model is not None else None
-            label = f"{AS_LOADED} ({current['label'] if current else 'none'})" if model is not None else AS_LOADED
+            label = f"{AS_LOADED} ({scaling_label(model)})" if model is not None else AS_LOADED
             entries.append(MethodEntry(label, AS_LOADED))
         else:
             name, params = parse_method_spec(spec)
@@ -62,6 +62,16 @@ def method_entries(model: nn.Module | None, specs: Sequence[MethodSpec]) -> list
     for entry in entries:
         unique.setdefault(entry.label, entry)
     return list(unique.values())
+
+
+def scaling_label(model: nn.Module) -> str:
+    """The scaling the model runs with now: the rope_patch patch applied, else the one its config carries (a checkpoint
+    saved with transformers' own scaling), else "none"."""
+    current = current_patch(model)
+    if current:
+        return current["label"]
+    _, module, layer_type = primary_rotary(model)
+    return config_scaling_label(module.config, layer_type)
 
 
 @contextlib.contextmanager
@@ -105,13 +115,6 @@ def model_fingerprint(model: nn.Module) -> str:
             picks = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)  # (count,)
             digest.update(flat[picks].to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of a tokenizer's class, vocabulary and special tokens: the token ids every evaluation reads."""
-    vocabulary = sorted(tokenizer.get_vocab().items())
-    text = json.dumps([type(tokenizer).__name__, vocabulary, tokenizer.bos_token_id, tokenizer.eos_token_id])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def model_setup(model: nn.Module) -> dict[str, Any]:

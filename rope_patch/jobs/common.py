@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..eval.sweep import AS_LOADED, method_entries, tokenizer_fingerprint
+from ..data import tokenizer_fingerprint
+from ..eval.sweep import AS_LOADED, method_entries
 from ..kernels import (KERNELS, KERNELS_HELP, check_kernels_available, kernel_choice, kernels_applied,
                        preferred_attention)
 from ..loading import default_attention, load_model, model_label

@@ -27,6 +27,7 @@ from ..eval.perplexity import KEY_FIELDS, Protocol, check_chunked_loss
 from ..eval.search import CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, transformers_snippet
 from ..eval.search_report import format_table, write_reports
 from ..eval.store import ResultStore
+from ..eval.sweep import model_setup
 from ..methods.evolution import (LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget,
                                  yarn_factors)
 from ..patching import native_length, primary_rotary, rotary_setup
@@ -188,9 +189,10 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
                 "heldin": [d.id for d in heldin], "heldout": [d.id for d in heldout], "bos": protocol.bos,
                 "evolution": asdict(config.evolution()), "candidates": config.candidates, "seed": config.seed,
                 "output": config.output}
-    setup = {"model": loaded.label, "dtype": loaded.dtype, "data": documents_fingerprint(corpus),
-             "documents": settings["heldin"], "target": config.target_length, "factor": factor, "native": native,
-             "bos": protocol.bos, "attn": config.attn_implementation, "kernels": config.kernels}
+    # a candidate's key: what the job's settings and the model itself (its fingerprint, dtype and the attention
+    # implementation it runs with, not the option asked for) contribute, as in every other evaluation's key
+    setup = {**config.setup(loaded, data=documents_fingerprint(corpus), documents=settings["heldin"],
+                            target=config.target_length, factor=factor, bos=protocol.bos), **model_setup(model)}
     out = Path(config.output) if config.output is not None else None
     if out is not None:
         config.to_yaml(out / "search_config.yaml")

@@ -21,11 +21,11 @@ from .core import (
     unpatch,
 )
 from .attention import measure_layouts
-from .record import CONFIG_KEY, saved_patch
-from .rotary import find_rotary_modules, inv_freq_buffer, rotary_dim
+from .record import CONFIG_KEY, config_scaling_label, saved_patch
+from .rotary import find_rotary_modules, forget_lengths_seen, inv_freq_buffer, rotary_dim
 
 __all__ = [
-    "CONFIG_KEY", "PatchReport", "current_patch", "find_rotary_modules", "fixed_length", "inv_freq_buffer",
+    "CONFIG_KEY", "PatchReport", "config_scaling_label", "current_patch", "find_rotary_modules", "fixed_length", "forget_lengths_seen", "inv_freq_buffer",
     "measure_layouts", "native_length", "native_length_source", "patch", "patch_state", "patched", "primary_rotary",
     "restore_saved_patch", "rotary_dim", "rotary_setup", "saved_patch", "set_native_length", "unpatch",
 ]

@@ -99,6 +99,19 @@ def stated_native_length(values: dict[str, Any], layer_type: str | None) -> Nati
     return None
 
 
+def config_scaling_label(config, layer_type: str | None) -> str:
+    """The scaling a config carries in transformers' own terms, for reports: ``"none"`` for unscaled RoPE, else e.g.
+    ``"transformers yarn: factor=4, original_max_position_embeddings=8192"`` (its scalar parameters; lists such as
+    longrope's factors left out). What "as-loaded" is labelled with when no rope_patch patch is applied."""
+    params = _layer({"rope_parameters": config.rope_parameters}, layer_type)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return "none"
+    shown = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(params.items())
+             if k not in ("rope_type", "rope_theta", "partial_rotary_factor") and isinstance(v, (int, float, str))]
+    return f"transformers {rope_type}" + (f": {', '.join(shown)}" if shown else "")
+
+
 def native_length_of(config, layer_type: str | None, live_snapshot: ConfigSnapshot | None = None,
                      given: int | None = None) -> NativeLength:
     """The native length of the unscaled RoPE and its source: ``given`` (native_length=), else what the config states;

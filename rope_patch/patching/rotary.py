@@ -181,6 +181,26 @@ def rebuild_module(module: nn.Module) -> None:
             setattr(module, name, value)
 
 
+def forget_lengths_seen(model: nn.Module) -> None:
+    """Put every rotary module that runs transformers' own ``dynamic`` scaling back to its state at load time.
+
+    Why: transformers' dynamic update keeps the frequencies of the longest sequence it has seen (it recomputes only
+    when a longer one comes, and resets only below the native length), so a forward's numbers would depend on what
+    the model ran before. Called before each forward of an evaluation, every length is scored as a freshly loaded
+    model scores it. Layer types a rope_patch patch replaced are left alone (their frequencies follow each call)."""
+    for _, module in find_rotary_modules(model):
+        rope_types = module.rope_type if isinstance(module.rope_type, dict) else {None: module.rope_type}
+        for layer_type, rope_type in rope_types.items():
+            if "dynamic" not in str(rope_type):
+                continue
+            prefix = f"{layer_type}_" if layer_type else ""
+            original = getattr(module, f"{prefix}original_inv_freq", None)  # a buffer, or a plain attribute
+            if original is None or not hasattr(module, "original_max_seq_len"):
+                continue
+            module._buffers[inv_freq_buffer(layer_type)] = original.detach().clone()
+            setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+
+
 def install_frequencies(module: nn.Module, targets: list[RotaryTarget], method: str,
                         length: Callable[[torch.Tensor], int | None]) -> None:
     """Give ``module`` an instance-level forward that writes the method's fp32 frequencies and attention factor for
