@@ -125,7 +125,13 @@ def main() -> None:
         flag = name == "longrope"  # the engines serve LongRoPE's long list at every length: same as rope_patch here
         serving_settings(model, args.engine, longrope_short_equals_long=flag)  # refused methods stop here
         start = time.time()
-        ours = rope_patch_logprobs(model, ids)
+        cached = output / (key.replace("/", "_").replace("@", "").replace(":", "_") + ".rope_patch.npy")
+        if cached.is_file():  # rope_patch's side of an earlier run that the engine did not finish
+            ours = np.load(cached)
+        else:
+            ours = rope_patch_logprobs(model, ids)
+            np.save(cached.with_suffix(".tmp.npy"), ours)
+            cached.with_suffix(".tmp.npy").replace(cached)
         ours_s = time.time() - start
         engine = ENGINE_LOGPROBS[args.engine](model, tokenizer, ids, output, flag)
         diff = np.abs(engine - ours)

@@ -64,7 +64,8 @@ SPECS = [
     ("none", {}), ("base", {"rope_theta": 50000.0}), ("ntk", {"factor": 4.0}), ("linear", {"factor": 4.0}),
     ("yarn", {"factor": 4.0}), ("yarn", {"factor": 4.0, "attention_factor": 1.3}),
     ("yarn", {"factor": 4.0, "beta_fast": 16.0}), ("yarn", {"factor": 4.0, "truncate": False}),
-    ("ntk_by_parts", {"factor": 4.0}), ("llama3", {"factor": 4.0}), ("llama3", {"factor": 8.0, "high_freq_factor": 2.0}),
+    ("ntk_by_parts", {"factor": 4.0}), ("llama3", {"factor": 4.0}),
+    ("llama3", {"factor": 8.0, "high_freq_factor": 2.0}),
     ("longrope", {"short_factor": LONG, "long_factor": LONG, "factor": 4.0}),
 ]
 
