@@ -56,3 +56,8 @@ class EngineUnsupportedError(RopePatchError):
 class EngineMismatchError(RopePatchError):
     """A serving engine whose log-probabilities on the probe differ from the patched transformers model's beyond the
     tolerance: its scores would not be the method's; the message gives the figure and points to ``--engine hf``."""
+
+
+class DiskFullError(RopePatchError):
+    """A result could not be written: no space left on the device (ENOSPC), the disk quota (EDQUOT) or the file size
+    limit (EFBIG) reached. The message names the folder and the space needed; what was written before is kept."""

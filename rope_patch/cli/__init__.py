@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 
 from ..errors import RopePatchError
 from ..jobs import JOBS, Job
@@ -18,8 +19,16 @@ from ..methods import available_methods
 from .arguments import add_config_arguments
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line, like every other bad input (argparse's own adds the usage block); the
+    exit status stays 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rope-patch",
         description="Extend the context window of a RoPE transformers model: patch its rotary embedding "
         "(linear, ntk, yarn, ...), evaluate perplexity and passkey retrieval at long lengths, fine-tune.",
@@ -65,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             print(result)
         return 0
     except RopePatchError as error:
-        print(f"rope-patch{' ' + verb if verb else ''}: error: {error}", file=sys.stderr)
+        message = " ".join(str(error).splitlines())  # one line, whatever a message quotes
+        print(f"rope-patch{' ' + verb if verb else ''}: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

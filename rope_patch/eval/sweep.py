@@ -143,7 +143,8 @@ class Sweep:
         if store is not None and store.key_fields != self.key_fields:
             raise ConfigError(f"{store.path} is keyed by {', '.join(store.key_fields)}, not by "
                               f"{', '.join(self.key_fields)}: give this evaluation a results file of its own")
-        self.store, self.writer, self.job = store, writer, job
+        self.store, self.job = store, job
+        self.writer = writer and (store is None or store.writer)  # a store opened to read is never written
         self.setup = {**dict(setup or {}), **model_setup(model)}
         self.finished: dict[tuple, dict] = store.by_key() if store is not None else {}
         if store is not None and writer:

@@ -33,7 +33,7 @@ class SweepConfig(JobConfig):
     model: str | None = option(None, MODEL_HELP)
     method: list[str] = option([AS_LOADED], "method NAME[:key=value,...]; repeat for several. 'as-loaded' evaluates "
                                             "the model as it was loaded, with the scaling a rope_patch checkpoint "
-                                            "carries", repeat=True, split=False, metavar="SPEC")
+                                            "carries", repeat=True, split=False, metavar="SPEC", spec=True)
     dtype: str = option("auto", "auto (bf16 on a GPU and on CPUs with native bf16, fp32 elsewhere), bf16, fp32 or fp16",
                         choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "

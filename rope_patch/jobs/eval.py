@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -14,12 +15,14 @@ from ..data import documents_fingerprint, load_documents, resolve_bos, select_do
 from ..errors import ConfigError
 from ..eval.perplexity import PROTOCOLS, KEY_FIELDS, EvalFailure, Protocol, check_chunked_loss, evaluate
 from ..eval.perplexity_report import format_table, summarize, write_reports
-from ..eval.store import ResultStore
+from ..eval.files import output_folder
+from ..eval.store import open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
 from .options import option
 
+JOB = "rope-patch eval"
 BOS_CHOICES = {"auto": None, "yes": True, "no": False}
 
 
@@ -47,7 +50,7 @@ class EvalConfig(SweepConfig):
                               "protocol uses lm-eval's prefix token (BOS, else EOS)", choices=tuple(BOS_CHOICES))
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots "
-                                             "(none from Python with output=None)")
+                                             "(none from Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()
@@ -102,6 +105,13 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     config = EvalConfig.from_options(config, **options)
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
+    with contextlib.ExitStack() as stack:  # the output folder held, and the store closed, on success and on error
+        stack.enter_context(output_folder(config.output, job=JOB, writer=accelerator.is_main_process))
+        return _run(config, loaded, corpus, accelerator, stack)
+
+
+def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Accelerator,
+         stack: contextlib.ExitStack) -> EvalResult:
     loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
                                     device=accelerator.device, native_length=config.native_length)
     model = loaded.model
@@ -122,10 +132,9 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
                 "native_length": native_length(model), "processes": accelerator.num_processes,
                 "output": config.output}
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
-    store = None
-    if config.output is not None:
-        with accelerator.main_process_first():
-            store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS)
+    results = Path(config.output) / "results.jsonl" if config.output is not None else None
+    with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
+        store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process, job=JOB))
 
     with fast_path(model, config.kernels):
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,

@@ -59,7 +59,7 @@ class FinetuneConfig(JobConfig):
 
     model: str | None = option(None, "hub id or local folder of the model to extend (default: the embedded SmolLM2-135M-Instruct)")
     method: str = option("yarn:factor=2", "scaling applied before training, as a method spec, e.g. linear:factor=2 "
-                                            "or yarn:factor=16", metavar="SPEC")
+                                            "or yarn:factor=16", metavar="SPEC", spec=True)
     dataset: str | None = option(None, "training documents, the sources of 'rope-patch eval': a hub data set, a local "
                                        "file or folder (default: the embedded stdlib corpus)")
     seq_len: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
@@ -96,7 +96,7 @@ class FinetuneConfig(JobConfig):
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
     sequence_parallel: int = option(1, "split each sequence over N processes (DeepSpeed Ulysses; N divides the "
                                        "processes of accelerate launch, data parallelism is the rest)", metavar="N")
-    output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/")
+    output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/", folder=True)
     save_every: int = option(0, "save a resumable checkpoint every N steps (0: only the final model)")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep (0: all)")
     resume: str | None = option(None, "continue from a checkpoint folder, or 'latest' for the newest under "

@@ -13,10 +13,10 @@ from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_leng
 from ..eval.harness_engines import ENGINES, HfEngine, VllmEngine
 from ..eval.vllm_engine import require_vllm
 from ..eval.harness_report import format_table, summarize, write_reports
-from ..eval.store import ResultStore
+from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
 from .engine_settings import check_servable, model_folder, vllm_serving
 from .options import flag, option
 
@@ -52,7 +52,7 @@ class LmEvalConfig(SweepConfig):
                                                   "mean in bf16/fp16)")
     output: str | None = option("runs/lm_eval", "folder for lm-eval's results JSON per method, results.jsonl "
                                                 "(resumable), summary.csv/.json and score_vs_length.png (none from "
-                                                "Python with output=None)")
+                                                "Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()
@@ -139,7 +139,13 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     window = config.max_length
     if window is None and not sweep_lengths(config.metadata or {}):  # one window for every method, or a refusal
         window = sweep_window(loaded.model, method_entries(loaded.model, config.method))
-    store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
+    results = Path(config.output) / "results.jsonl" if config.output is not None else None
+    with open_store(results, KEY_FIELDS, job="rope-patch lm-eval") as store:  # held until the reports are written
+        return _run(config, loaded, catalog, window, store)
+
+
+def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window: int | None,
+         store: ResultStore | None) -> LmEvalResult:
     engine = HfEngine(loaded.model, loaded.tokenizer)
     if config.engine == "vllm":
         engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,

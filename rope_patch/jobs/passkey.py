@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 from ..errors import ConfigError
 from ..eval.passkey import KEY_FIELDS, check_grid, evaluate_passkey
 from ..eval.passkey_report import format_table, write_reports
-from ..eval.store import ResultStore
+from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
 from .options import option
 
 
@@ -30,7 +30,7 @@ class PasskeyConfig(SweepConfig):
     engine: str = option("hf", "what generates the answers: hf only (passkey through vLLM: rope-patch lm-eval "
                                "--engine vllm with a RULER niah task)", choices=("hf", "vllm"))
     output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots "
-                                                "(none from Python with output=None)")
+                                                "(none from Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()
@@ -72,7 +72,12 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
                                     native_length=config.native_length)
     settle_native_length(loaded.model, config.native_length)
-    store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
+    results = Path(config.output) / "results.jsonl" if config.output is not None else None
+    with open_store(results, KEY_FIELDS, job="rope-patch passkey") as store:  # held until the reports are written
+        return _run(config, loaded, store)
+
+
+def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) -> PasskeyResult:
     with fast_path(loaded.model, config.kernels):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
