@@ -59,5 +59,6 @@ class EngineMismatchError(RopePatchError):
 
 
 class DiskFullError(RopePatchError):
-    """A result could not be written: no space left on the device (ENOSPC), the disk quota (EDQUOT) or the file size
-    limit (EFBIG) reached. The message names the folder and the space needed; what was written before is kept."""
+    """A result or a checkpoint could not be written: no space left on the device (ENOSPC), the disk quota (EDQUOT)
+    or the file size limit (EFBIG) reached. The message names the folder and the space needed; what was written
+    before is kept."""

@@ -6,6 +6,10 @@ norms and output-head loss run on L / N tokens. Only attention needs the whole s
 all-to-all in, one out), so each process attends over all L tokens for H / N heads. Activations per process fall
 about N-fold; results are those of one process on the whole sequence.
 
+The weights may be whole in each process (DDP) or sharded over all P processes (FSDP2, DeepSpeed ZeRO-3: DeepSpeed's
+ALST combination): every engine reduces gradients as the mean over the P processes, so the loss scaling below holds
+for each, and the Ulysses all-to-all runs inside the forward pass whatever gathers the weights around it.
+
 Why rope_patch calls Ulysses itself instead of accelerate's ``ParallelismConfig(sp_backend="deepspeed")``:
 accelerate (1.15) wires Ulysses only inside its DeepSpeed engine (``distributed_type: DEEPSPEED``; it does start on
 CPU processes, but not with ``use_cpu``, which makes the run MULTI_CPU and ParallelismConfig refuses that), and the
@@ -56,8 +60,8 @@ class SequenceLayout:
         return tensor[:, self.shard * length : (self.shard + 1) * length]
 
 
-def check_sequence_parallel(size: int, *, processes: int, seq_len: int, data_parallel: bool = True,
-                            model: nn.Module | None = None, pose: bool = False) -> None:
+def check_sequence_parallel(size: int, *, processes: int, seq_len: int, model: nn.Module | None = None,
+                            pose: bool = False) -> None:
     """Refuse, in one line each, what Ulysses cannot split exactly (the model's part once it is loaded)."""
     if size == 1:
         return
@@ -68,9 +72,6 @@ def check_sequence_parallel(size: int, *, processes: int, seq_len: int, data_par
     if seq_len % size:
         raise ConfigError(f"--seq-len {seq_len:,} does not split evenly into --sequence-parallel {size} shards; use a "
                           f"multiple of {size}")
-    if not data_parallel:
-        raise ConfigError("--sequence-parallel runs under plain data parallelism (configs/accelerate/"
-                          "sequence_parallel.yaml), not FSDP or a DeepSpeed engine; use LoRA to fit the weights")
     require_ulysses()
     if model is None:
         return
@@ -89,24 +90,33 @@ def check_sequence_parallel(size: int, *, processes: int, seq_len: int, data_par
 
 
 def shard_loss(model: nn.Module, patched: nn.Module, input_ids: torch.Tensor, layout: SequenceLayout, *,
-               position_ids: torch.Tensor | None = None, head_loss: HeadLoss | None = None) -> torch.Tensor:
+               position_ids: torch.Tensor | None = None, head_loss: HeadLoss | None = None,
+               plain: bool = False) -> torch.Tensor:
     """This process's share of the micro-batch loss of the whole sequences ``input_ids`` (B, L), for DDP's mean.
 
     The shard (B, L / N) keeps its global position ids, and its targets are cut from the whole sequence's shifted
     targets, so a shard's last token predicts the next shard's first and the scored tokens are those of one process
     on the whole sequence: B × (L − 1). Dynamic methods see the whole length (``patched``: the model rope_patch
     patched, under any wrapper), not the shard's. Returns N · Σ_shard NLL / (B × (L − 1)).
+
+    ``plain``: the model's own loss on the shard's targets (``shift_labels``, summed over ``num_items_in_batch``),
+    for FSDP and ZeRO-3, whose output head is whole only inside the forward pass. Their gradient reduction is DDP's
+    mean over all P processes, so the same scaling holds.
     """
     batch, length = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)  # (B, L)
     targets = shift_targets(input_ids)  # (B, L)
     ids, positions, targets = (layout.split(t) for t in (input_ids, position_ids, targets))  # (B, L / N) each
+    scored = batch * (length - 1) / layout.size  # the divisor that makes the shard's sum N · Σ / (B × (L − 1))
     with fixed_length(patched, int(position_ids.max()) + 1):
         # an all-ones mask: no padding, and no packed-sequence guess from PoSE's skips (Ulysses drops 4D masks)
+        if plain:
+            return model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids), labels=targets,
+                         shift_labels=targets, num_items_in_batch=scored).loss
         nll, _ = causal_lm_loss(model, ids, targets=targets, position_ids=positions,
                                 attention_mask=torch.ones_like(ids), head_loss=head_loss)
-    return nll * layout.size / (batch * (length - 1))
+    return nll / scored
 
 
 def require_ulysses():
