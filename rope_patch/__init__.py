@@ -14,6 +14,7 @@ right scaling.
 from .errors import (
     ConfigError,
     DataError,
+    EngineUnsupportedError,
     InvalidParameterError,
     MissingExtraError,
     ModelNotFoundError,
@@ -27,6 +28,7 @@ from .eval.perplexity import evaluate
 from .jobs import (
     DemoConfig,
     EvalConfig,
+    ExportConfig,
     FinetuneConfig,
     InspectConfig,
     LmEvalConfig,
@@ -34,6 +36,7 @@ from .jobs import (
     SearchConfig,
     run_demo,
     run_eval,
+    run_export,
     run_inspect,
     run_lm_eval,
     run_passkey,
@@ -57,11 +60,12 @@ from .patching import (
 __version__ = "0.2.0"
 
 __all__ = [
-    "ConfigError", "DataError", "DemoConfig", "EvalConfig", "FinetuneConfig", "InspectConfig", "InvalidParameterError", "LmEvalConfig",
-    "Method", "MissingExtraError", "ModelNotFoundError", "NativeLengthError", "Param", "PasskeyConfig", "PatchReport",
-    "RopeBase", "RopePatchError", "UnknownMethodError", "UnsupportedModelError", "available_methods", "current_patch", "evaluate",
+    "ConfigError", "DataError", "DemoConfig", "EngineUnsupportedError", "EvalConfig", "ExportConfig",
+    "FinetuneConfig", "InspectConfig", "InvalidParameterError", "LmEvalConfig", "Method", "MissingExtraError",
+    "ModelNotFoundError", "NativeLengthError", "Param", "PasskeyConfig", "PatchReport", "RopeBase", "RopePatchError",
+    "UnknownMethodError", "UnsupportedModelError", "available_methods", "current_patch", "evaluate",
     "evaluate_passkey", "finetune", "fixed_length", "from_pretrained", "load_default_model", "load_model",
     "method_label", "native_length", "native_length_source", "parse_method_spec", "patch", "patched",
-    "register_method", "run_demo", "run_eval", "run_inspect", "run_lm_eval", "run_passkey", "run_search", "SearchConfig",
-    "set_native_length", "unpatch",
+    "register_method", "run_demo", "run_eval", "run_export", "run_inspect", "run_lm_eval", "run_passkey",
+    "run_search", "SearchConfig", "set_native_length", "unpatch",
 ]

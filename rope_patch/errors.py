@@ -48,6 +48,16 @@ class NativeLengthError(RopePatchError):
     the message asks for ``native_length=`` / ``--native-length``."""
 
 
+class EngineUnsupportedError(RopePatchError):
+    """A serving engine (vLLM, SGLang, llama.cpp, plain transformers) cannot compute the model's RoPE exactly as
+    rope_patch does; the message names the engine, the method and what to do instead."""
+
+
+class EngineMismatchError(RopePatchError):
+    """A serving engine whose log-probabilities on the probe differ from the patched transformers model's beyond the
+    tolerance: its scores would not be the method's; the message gives the figure and points to ``--engine hf``."""
+
+
 class DiskFullError(RopePatchError):
     """A result or a checkpoint could not be written: no space left on the device (ENOSPC), the disk quota (EDQUOT)
     or the file size limit (EFBIG) reached. The message names the folder and the space needed; what was written

@@ -94,8 +94,9 @@ def test_the_cycle_finder_finds_a_circle_hidden_in_a_function():
 @pytest.mark.parametrize("lower, upper", [
     ("rope_patch.methods", ("rope_patch.patching", "rope_patch.loading", "rope_patch.eval", "rope_patch.train",
                             "rope_patch.jobs", "rope_patch.cli", "torch.nn", "transformers")),
-    ("rope_patch.patching", ("rope_patch.loading", "rope_patch.eval", "rope_patch.train", "rope_patch.jobs",
-                             "rope_patch.cli")),
+    ("rope_patch.patching", ("rope_patch.loading", "rope_patch.export", "rope_patch.eval", "rope_patch.train",
+                             "rope_patch.jobs", "rope_patch.cli")),
+    ("rope_patch.export", ("rope_patch.eval", "rope_patch.train", "rope_patch.jobs", "rope_patch.cli")),
     ("rope_patch.eval", ("rope_patch.train", "rope_patch.jobs", "rope_patch.cli")),
     ("rope_patch.train", ("rope_patch.eval", "rope_patch.jobs", "rope_patch.cli")),
     ("rope_patch.jobs", ("rope_patch.cli",)),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import logging
 import random
 import tempfile
 import time
@@ -39,6 +38,7 @@ from tqdm.auto import tqdm
 from ..errors import ConfigError, MissingExtraError
 from ..patching import native_length, patch_state, primary_rotary
 from .plots import file_stem
+from .harness_engines import HfEngine, VllmEngine
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep, applied, method_entries
 
@@ -152,15 +152,6 @@ class TaskCatalog:
         return self._loaded[key]
 
 
-class _DropWarning(logging.Filter):
-    """HFLM warns, for every model object, that its loading arguments are ignored and that it assumes one process:
-    both true of every run here, so the warnings only alarm."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return "is not of type `str`" not in message and "already-initialized model" not in message
-
-
 def plain_json(value: Any) -> Any:
     """lm-eval's results as plain JSON (numpy numbers and other objects converted the way lm-eval writes them)."""
     from lm_eval.utils import handle_non_serializable
@@ -168,21 +159,13 @@ def plain_json(value: Any) -> Any:
     return json.loads(json.dumps(value, default=handle_non_serializable))
 
 
-def run_unit(model, tokenizer, entry: MethodEntry, unit: HarnessUnit, catalog: TaskCatalog, *,
-             metadata: Mapping[str, Any], max_length: int | None, batch_size: int, limit: float | None,
+def run_unit(lm: Any, entry: MethodEntry, unit: HarnessUnit, catalog: TaskCatalog, *,
+             metadata: Mapping[str, Any], batch_size: int, limit: float | None,
              num_fewshot: int | None, output: str | Path | None, model_name: str) -> tuple[dict, Path | None]:
-    """One ``simple_evaluate`` of the (already patched) model; lm-eval's results and the results file it wrote."""
+    """One ``simple_evaluate`` of an lm-eval model object serving the method; lm-eval's results and its results file."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
-    from lm_eval.models.huggingface import HFLM
 
-    hf_logger = logging.getLogger(HFLM.__module__)
-    quiet = _DropWarning()
-    hf_logger.addFilter(quiet)
-    try:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=unit.max_length(max_length), batch_size=batch_size)
-    finally:
-        hf_logger.removeFilter(quiet)
     tracker = EvaluationTracker(output_path=str(Path(output) / file_stem(entry.label))) if output is not None else None
     meta = unit.metadata(metadata)
     results = lm_eval.simple_evaluate(
@@ -243,6 +226,7 @@ def evaluate_harness(
     model_name: str = "model",
     catalog: TaskCatalog | None = None,
     progress: bool = True,
+    engine: HfEngine | VllmEngine | None = None,
 ) -> list[dict]:
     """Run lm-eval ``tasks`` on ``model`` under each method and return one record per (method, task, length).
 
@@ -252,9 +236,11 @@ def evaluate_harness(
     the run's settings, the ``setup`` given, and the model's fingerprint, dtype and attention implementation:
     :class:`~.sweep.Sweep`) are skipped; new ones are appended the moment they finish. ``metadata`` goes to every task
     (RULER: ``{"max_seq_lengths": [4096, 8192]}``, split into one run per length); RULER's tokenizer is the model's
-    own, saved for it, unless ``metadata`` names one.
+    own, saved for it, unless ``metadata`` names one. ``engine`` scores each method (default: the patched model through
+    lm-eval's HFLM, :mod:`.harness_engines`); its name is part of the key.
     """
     require_lm_eval()
+    engine = engine or HfEngine(model, tokenizer)
     catalog = catalog or TaskCatalog(tasks, include_path)
     metadata = dict(metadata or {})
     units = plan_units(tasks, metadata)
@@ -262,7 +248,7 @@ def evaluate_harness(
     entries = method_entries(model, methods)
     if max_length is None and not split:
         max_length = sweep_window(model, entries)
-    run_setup = {"limit": limit, "num_fewshot": num_fewshot, "max_length": max_length, "batch_size": int(batch_size),
+    run_setup = {"engine": engine.name, **engine.settings, "limit": limit, "num_fewshot": num_fewshot, "max_length": max_length, "batch_size": int(batch_size),
                  "include_path": include_path,
                  "metadata": {k: v for k, v in metadata.items() if not (split and k == "max_seq_lengths")}}
     sweep = Sweep(model, methods, UNIT_FIELDS, store=store, setup={**dict(setup or {}), **run_setup},
@@ -280,18 +266,22 @@ def evaluate_harness(
         bar = tqdm(total=sum(len(us) for _, us in todo), desc="lm-eval", unit="run", disable=not progress)
 
         def work(entry: MethodEntry, missing: list[Mapping[str, Any]]) -> None:
-            for key in missing:
-                unit = HarnessUnit(key["task"], key["length"])
-                bar.set_postfix_str(f"{entry.label} {unit.task}" + (f" @ {unit.length}" if unit.length else ""))
-                start = time.perf_counter()
-                run, path = run_unit(model, tokenizer, entry, unit, catalog, metadata=metadata,
-                                     max_length=max_length, batch_size=batch_size, limit=limit,
-                                     num_fewshot=num_fewshot, output=output, model_name=model_name)
-                sweep.finish(entry.label, key, {
-                    "results": plain_json(run["results"]), "groups": plain_json(run.get("groups", {})),
-                    "n-samples": plain_json(run.get("n-samples", {})), "max_length": unit.max_length(max_length),
-                    "file": str(path) if path is not None else None, "seconds": round(time.perf_counter() - start, 3)})
-                bar.update(1)
+            windows = [HarnessUnit(k["task"], k["length"]).max_length(max_length) for k in missing]
+            with engine.serving(entry, windows) as lm_for:
+                for key, window in zip(missing, windows):
+                    unit = HarnessUnit(key["task"], key["length"])
+                    bar.set_postfix_str(f"{entry.label} {unit.task}" + (f" @ {unit.length}" if unit.length else ""))
+                    start = time.perf_counter()
+                    run, path = run_unit(lm_for(window, batch_size), entry, unit, catalog, metadata=metadata,
+                                         batch_size=batch_size, limit=limit, num_fewshot=num_fewshot, output=output,
+                                         model_name=model_name)
+                    check = {"engine_check": engine.agreement.as_dict()} if engine.agreement is not None else {}
+                    sweep.finish(entry.label, key, {
+                        "results": plain_json(run["results"]), "groups": plain_json(run.get("groups", {})),
+                        "n-samples": plain_json(run.get("n-samples", {})), "max_length": window, **check,
+                        "file": str(path) if path is not None else None,
+                        "seconds": round(time.perf_counter() - start, 3)})
+                    bar.update(1)
 
         records = sweep.run(keyed, work)
         bar.close()

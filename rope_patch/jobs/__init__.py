@@ -11,6 +11,7 @@ lm-eval     LmEvalConfig         run_lm_eval          any lm-evaluation-harness 
 finetune    FinetuneConfig       finetune             train an extended checkpoint (full or LoRA, accelerate)
 demo        DemoConfig           run_demo             inspect, eval and passkey of the embedded model, sized to the machine
 search      SearchConfig         run_search           LongRoPE's evolutionary search for per-pair factors
+export      ExportConfig         run_export           what vLLM, SGLang, llama.cpp or transformers serves as is
 ==========  ===================  ===================  ==========================================================
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from .demo import DemoConfig, DemoResult, run_demo
 from .eval import EvalConfig, EvalResult, run_eval
+from .export import ExportConfig, ExportResult, run_export
 from .finetune import FinetuneConfig, FinetuneResult
 from .finetune import finetune as run_finetune  # the module keeps the name `finetune`
 from .inspect import InspectConfig, InspectResult, run_inspect
@@ -107,10 +109,21 @@ JOBS: dict[str, Job] = {
         "plots of the factors and of the fitness, and a table of the searched factors against linear, ntk, yarn "
         "and ntk_by_parts on held-out documents.",
         "rope-patch search --target-length 16k --candidates 24 --documents 1 --heldout _pydecimal.py"),
+    "export": Job(
+        ExportConfig, run_export, "write the patched model as a serving engine loads it (vLLM, SGLang, llama.cpp, "
+        "transformers), with its exact RoPE settings",
+        "Patch the model with --method (or take it as loaded, e.g. a fine-tuned checkpoint) and write --output as "
+        "--engine loads it as is: a model folder with its tokenizer for transformers, vLLM and SGLang, a GGUF file "
+        "for llama.cpp, and a README.md with the exact serve commands (and vLLM's --hf-overrides / SGLang's "
+        "--json-model-override-args). What the engine cannot compute exactly (attention-level methods, dynamic "
+        "methods it freezes, YaRN variants it cannot represent) is refused in one line before anything is written. "
+        "The folder appears complete or not at all.",
+        "rope-patch export --engine vllm --method yarn:factor=2 --output exports/smollm2-yarn2-vllm"),
 }
 
 __all__ = [
-    "JOBS", "DemoConfig", "DemoResult", "EvalConfig", "EvalResult", "FinetuneConfig", "FinetuneResult", "InspectConfig", "InspectResult", "Job",
-    "JobConfig", "LmEvalConfig", "LmEvalResult", "PasskeyConfig", "PasskeyResult", "run_eval", "run_finetune",
-    "run_demo", "run_inspect", "run_lm_eval", "run_passkey", "SearchConfig", "SearchResult", "run_search",
+    "JOBS", "DemoConfig", "DemoResult", "EvalConfig", "EvalResult", "ExportConfig", "ExportResult", "run_export",
+    "FinetuneConfig", "FinetuneResult", "InspectConfig", "InspectResult", "Job", "JobConfig", "LmEvalConfig",
+    "LmEvalResult", "PasskeyConfig", "PasskeyResult", "run_eval", "run_finetune", "run_demo", "run_inspect",
+    "run_lm_eval", "run_passkey", "SearchConfig", "SearchResult", "run_search",
 ]

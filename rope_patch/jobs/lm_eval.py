@@ -10,11 +10,14 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_lengths, sweep_window
+from ..eval.harness_engines import ENGINES, HfEngine, VllmEngine
+from ..eval.vllm_engine import require_vllm
 from ..eval.harness_report import format_table, summarize, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
 from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
+from .engine_settings import check_servable, model_folder, vllm_serving
 from .options import flag, option
 
 METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
@@ -39,6 +42,15 @@ class LmEvalConfig(SweepConfig):
     num_fewshot: int | None = option(None, "few-shot examples per prompt (default: the task's own)")
     metadata: dict[str, Any] | None = option(None, f"JSON object handed to every task, e.g. {METADATA_EXAMPLE} for "
                                                    "RULER: each length is then its own lm-eval run")
+    engine: str = option("hf", "what scores the patched model: hf (the patched transformers model, any method) or "
+                               "vllm (lm-eval's vllm model, static methods vLLM can express, checked first on a probe "
+                               "against hf)", choices=ENGINES)
+    tensor_parallel_size: int = option(1, "--engine vllm: GPUs one model is split across (vLLM tensor parallelism)")
+    data_parallel_size: int = option(1, "--engine vllm: model replicas scoring in parallel (vLLM data parallelism, "
+                                        "through ray)")
+    engine_tolerance: float | None = option(None, "--engine vllm: largest per-token |Δ log p| against hf allowed on "
+                                                  "the probe (default: 1e-3 on the worst token in fp32, 2e-2 on the "
+                                                  "mean in bf16/fp16)")
     output: str | None = option("runs/lm_eval", "folder for lm-eval's results JSON per method, results.jsonl "
                                                 "(resumable), summary.csv/.json and score_vs_length.png (none from "
                                                 "Python with output=None)", folder=True)
@@ -54,6 +66,18 @@ class LmEvalConfig(SweepConfig):
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise ConfigError(f"--num-fewshot {self.num_fewshot}: give 0 or more")
         self.metadata = parse_metadata(self.metadata)
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size and --data-parallel-size must be positive whole numbers")
+        if self.engine == "hf" and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ConfigError("--tensor-parallel-size and --data-parallel-size go with --engine vllm")
+        if self.engine_tolerance is not None and not self.engine_tolerance > 0:
+            raise ConfigError(f"--engine-tolerance {self.engine_tolerance:g}: give a positive number, e.g. 1e-3")
+        if self.engine == "vllm":
+            for entry in method_entries(None, self.method):
+                check_servable(entry, "vllm")
+            if self.kernels:
+                raise ConfigError("--kernels fuses the transformers forward; vLLM runs its own: drop --kernels "
+                                  "or use --engine hf")
 
 
 def parse_metadata(value: Any) -> dict[str, Any] | None:
@@ -108,6 +132,8 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)
+    if config.engine == "vllm":
+        require_vllm()  # one line before minutes of loading
     loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length)
     window = config.max_length
@@ -120,15 +146,21 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
 
 def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window: int | None,
          store: ResultStore | None) -> LmEvalResult:
+    engine = HfEngine(loaded.model, loaded.tokenizer)
+    if config.engine == "vllm":
+        engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,
+                            dtype=loaded.dtype, tensor_parallel_size=config.tensor_parallel_size,
+                            data_parallel_size=config.data_parallel_size, tolerance=config.engine_tolerance)
     with fast_path(loaded.model, config.kernels):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
             max_length=window, batch_size=config.batch_size, limit=config.limit,
             num_fewshot=config.num_fewshot, metadata=config.metadata, output=config.output, store=store,
             setup=config.setup(loaded), model_name=loaded.label, catalog=catalog, progress=config.progress,
+            engine=engine,
         )
     rows = summarize(records)
-    settings = {"model": loaded.label, "dtype": loaded.dtype,
+    settings = {"model": loaded.label, "dtype": loaded.dtype, "engine": config.engine,
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
                 "include_path": config.include_path, "max_length": window, "batch_size": config.batch_size,
                 "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.metadata,

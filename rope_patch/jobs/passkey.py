@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..errors import ConfigError
 from ..eval.passkey import KEY_FIELDS, check_grid, evaluate_passkey
 from ..eval.passkey_report import format_table, write_reports
 from ..eval.store import ResultStore, open_store
@@ -28,11 +29,17 @@ class PasskeyConfig(SweepConfig):
     trials: int = option(5, "trials (random keys) per length × depth")
     seed: int = option(0, "seed of the random keys")
     max_new_tokens: int = option(8, "tokens generated per answer")
+    engine: str = option("hf", "what generates the answers: hf only (passkey through vLLM: rope-patch lm-eval "
+                               "--engine vllm with a RULER niah task)", choices=("hf", "vllm"))
     output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots "
                                                 "(none from Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()
+        if self.engine != "hf":
+            raise ConfigError("passkey --engine vllm is not built: its trials generate through the patched model "
+                              "object; run RULER's needle tasks through vLLM with rope-patch lm-eval --engine vllm "
+                              "--tasks niah_single_1")
         check_grid(self.lengths, self.depths, self.trials, self.max_new_tokens)
 
 
