@@ -48,6 +48,12 @@ class NativeLengthError(RopePatchError):
     the message asks for ``native_length=`` / ``--native-length``."""
 
 
+class DiskFullError(RopePatchError):
+    """A result or a checkpoint could not be written: no space left on the device (ENOSPC), the disk quota (EDQUOT)
+    or the file size limit (EFBIG) reached. The message names the folder and the space needed; what was written
+    before is kept."""
+
+
 class EngineUnsupportedError(RopePatchError):
     """A serving engine (vLLM, SGLang, llama.cpp, plain transformers) cannot compute the model's RoPE exactly as
     rope_patch does; the message names the engine, the method and what to do instead."""

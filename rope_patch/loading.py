@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .errors import ModelNotFoundError, RopePatchError, UnsupportedModelError
+from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import cache_dir, quiet_hub_requests
 from .patching import restore_saved_patch, set_native_length
 
@@ -48,6 +49,49 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | 
     if dtype not in DTYPES:
         raise RopePatchError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's placement strategies
+DeviceMap = str | dict[str, int | str]
+
+
+def parse_device_map(value: DeviceMap | os.PathLike | None) -> DeviceMap | None:
+    """``--device-map`` as ``from_pretrained`` takes it: a strategy (auto, balanced, balanced_low_0, sequential), a
+    JSON object of module name -> device (``{"model.layers.20": "disk", ...}``), or a file holding one."""
+    if value is None or isinstance(value, dict):
+        return _checked_map(value, "the device map") if isinstance(value, dict) else None
+    text = str(value).strip()
+    if text in DEVICE_MAP_STRATEGIES:
+        return text
+    source = "--device-map"
+    if not text.startswith("{"):
+        if not Path(text).is_file():
+            raise ConfigError(f"--device-map {text!r}: give {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON object of "
+                              "module name -> device, or a file holding one")
+        source, text = text, Path(text).read_text()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{source}: not a JSON object of module name -> device ({error})") from None
+    return _checked_map(parsed, source)
+
+
+def _checked_map(device_map: Any, source: str) -> dict[str, int | str]:
+    valid = (isinstance(device_map, dict) and device_map and
+             all(isinstance(k, str) and type(v) in (int, str) for k, v in device_map.items()))  # bool is no device
+    if not valid:
+        raise ConfigError(f"{source}: give a JSON object of module name -> device (a GPU index, \"cpu\" or \"disk\"), "
+                          'e.g. {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "disk", ...}')
+    return device_map
+
+
+def check_offload(device_map: DeviceMap | None, offload_folder: str | os.PathLike | None) -> None:
+    """Refuse an offload folder without a device map, and a map that sends layers to disk without a folder."""
+    if offload_folder is not None and device_map is None:
+        raise ConfigError("--offload-folder is where --device-map puts the layers it sends to disk; give --device-map "
+                          "too (e.g. auto), or leave --offload-folder out")
+    if isinstance(device_map, dict) and "disk" in device_map.values() and offload_folder is None:
+        raise ConfigError("--device-map sends layers to \"disk\": give --offload-folder, a folder for their weights")
 
 
 def default_device() -> str:
@@ -136,6 +180,10 @@ def from_pretrained(name_or_path: str | os.PathLike, *, native_length: int | Non
     re-applied, for a checkpoint whose config does not state it.
     """
     if (Path(name_or_path) / "adapter_config.json").is_file():
+        if kwargs.get("device_map") is not None:
+            raise ConfigError(f"{name_or_path} is a LoRA adapter folder, merged into its base model after loading, "
+                              "which a device map's offloaded layers do not allow; save the merged model first "
+                              "(rope-patch finetune --no-save-adapter) and load that with --device-map")
         return load_adapter_checkpoint(name_or_path, native_length=native_length, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     set_native_length(model, native_length)
@@ -163,28 +211,54 @@ def load_model(
     device: str | torch.device | None = None,
     attn_implementation: str | None = None,
     native_length: int | None = None,
+    device_map: DeviceMap | os.PathLike | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    tp_plan: str | None = None,
 ):
     """Load ``(model, tokenizer)`` from a hub id or folder, or the embedded default when ``None``.
 
     A checkpoint saved by rope_patch gets its scaling re-applied exactly once (see :func:`from_pretrained`).
+    ``device_map`` (and ``offload_folder``): accelerate's big-model dispatch, as ``from_pretrained`` takes them
+    (see :func:`parse_device_map`); the layers then stay where the map puts them (``device`` is not used).
+    ``tp_plan="auto"``: transformers' tensor parallelism over the processes torchrun (or accelerate launch) started.
     """
     path = model_path(name_or_path)
+    device_map = parse_device_map(device_map)
+    check_offload(device_map, offload_folder)
     device = device or default_device()
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, device), "native_length": native_length}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs |= {"device_map": device_map, "offload_folder": None if offload_folder is None else str(offload_folder)}
+    if tp_plan is not None:  # transformers >= 5.18 takes it in a DistributedConfig, earlier ones as tp_plan=
+        import transformers
+
+        config_class = getattr(transformers, "DistributedConfig", None)
+        kwargs |= {"distributed_config": config_class(tp_plan=tp_plan)} if config_class else {"tp_plan": tp_plan}
     try:
         with quiet_hub_requests():
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = from_pretrained(path, **kwargs)
+            model = _placed(path, device_map, kwargs)
     except OSError as error:
         raise ModelNotFoundError(
             f"cannot load model {str(path)!r}: {str(error).splitlines()[0]} "
             "(check the name, or pass a local folder; hub downloads need network access)"
         ) from None
-    model.to(device)
+    if device_map is None and tp_plan is None:
+        model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def _placed(path: str | os.PathLike, device_map: DeviceMap | None, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """:func:`from_pretrained`, with a device map transformers or accelerate cannot follow refused in one line."""
+    try:
+        return from_pretrained(path, **kwargs)
+    except (ValueError, KeyError, RuntimeError) as error:  # an unknown device, a map naming no module, ...
+        if device_map is None or isinstance(error, RopePatchError):
+            raise
+        raise ConfigError(f"cannot place {str(path)!r} with --device-map: {str(error).splitlines()[0]}") from None
 
 
 def load_default_model(*, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None):

@@ -14,6 +14,7 @@ Their token ids, cached on disk, are :mod:`rope_patch.data.tokens`.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+from datasets.exceptions import DatasetGenerationError
 
 from ..errors import DataError
 from ..hub import quiet_hub_requests
@@ -55,6 +57,9 @@ def load_documents(
     """
     if source in (None, "", DEFAULT_CORPUS, "default"):
         return stdlib_corpus()
+    if not isinstance(source, (str, os.PathLike)) or "\0" in str(source):
+        raise DataError(f"data source {source!r} is not a file, folder or data set name: give one as text, "
+                        "without NUL characters")
     path = Path(source).expanduser()
     if path.exists():
         documents = _load_local(path, text_field)
@@ -91,6 +96,7 @@ def _load_local(path: Path, text_field: str) -> list[Document]:
         if builder is None:
             raise DataError(f"cannot read {str(file)!r}: use a .txt, .jsonl, .json or .parquet file")
         name = str(file.relative_to(path)) if path.is_dir() else file.name
+        check_local_file(file, text_field)
         if builder == "text":  # one file, one document
             rows = _datasets_load("text", str(file), data_files=[str(file)], sample_by="document")
         else:  # one row, one document
@@ -98,6 +104,67 @@ def _load_local(path: Path, text_field: str) -> list[Document]:
         texts = _column(rows, "text" if builder == "text" else text_field, str(file))
         documents += [Document(name if builder == "text" else f"{name}:{i}", t) for i, t in enumerate(texts)]
     return documents
+
+
+def check_local_file(file: Path, text_field: str = "text") -> None:
+    """Refuse, in one line naming the byte or row and the fix, a local file that datasets would read wrongly or fail on
+    with a traceback: a .txt/.jsonl/.json that is not UTF-8 text or holds NUL bytes (a binary file), a JSON row that is
+    not an object, a text field that is not a string, a JSON file with no rows. A .parquet is datasets' own to check."""
+    if file.suffix not in (".txt", ".jsonl", ".json"):
+        return
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{str(file)!r} is not UTF-8 text (byte {error.start:,} cannot be decoded): convert it to "
+                        "UTF-8, e.g. iconv -t utf-8") from None
+    if "\0" in text:
+        raise DataError(f"{str(file)!r} holds a NUL byte at byte {data.index(0):,}: a binary file, not text; give "
+                        "a .txt/.jsonl/.json text file or a .parquet file")
+    if file.suffix != ".txt":
+        _check_json_rows(file, text.removeprefix("\ufeff"), text_field)
+
+
+def _check_json_rows(file: Path, text: str, text_field: str) -> None:
+    """Each row an object whose text field, if present, is a string: one JSON value per line (JSON Lines), or for a
+    .json, one array of objects or one object."""
+    try:
+        whole = json.loads(text) if file.suffix == ".json" else None
+    except (json.JSONDecodeError, RecursionError):
+        whole = None  # a .json may hold JSON Lines too
+    if isinstance(whole, list):
+        rows = list(enumerate(whole, 1))
+        where = "item"
+    elif isinstance(whole, dict):
+        rows, where = [(1, whole)], "object"
+    else:
+        rows, where = [], "line"
+        for number, line in enumerate(text.split("\n"), 1):
+            if line.strip():
+                try:
+                    rows.append((number, json.loads(line)))
+                except (json.JSONDecodeError, RecursionError) as error:
+                    why = error.msg if isinstance(error, json.JSONDecodeError) else "nested too deeply"
+                    raise DataError(f"{str(file)!r} line {number} is not JSON ({why}): fix or remove that line; "
+                                    'each line holds one object, e.g. {"text": "..."}') from None
+    if not rows:
+        raise DataError(f"{str(file)!r} holds no rows; give one JSON object per line, e.g. "
+                        f'{{"{text_field}": "..."}}')
+    for number, row in rows:
+        if where == "item" and isinstance(row, str):
+            continue  # a .json array of strings: datasets reads each as a "text" row
+        if not isinstance(row, dict):
+            raise DataError(f"{str(file)!r} {where} {number} is {_json_kind(row)}, not an object: fix or "
+                            f'remove it; each row is an object, e.g. {{"{text_field}": "..."}}')
+        value = row.get(text_field)
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{str(file)!r} {where} {number}: field {text_field!r} holds {_json_kind(value)}, "
+                            "not text: fix that row, or name the text field with --text-field")
+
+
+def _json_kind(value: object) -> str:
+    kinds = {bool: "true/false", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}
+    return kinds.get(type(value), "null")
 
 
 def _load_hub(name: str, split: str, text_field: str, subset: str | None) -> list[Document]:
@@ -118,6 +185,9 @@ def _datasets_load(path: str, label: str, *args, split: str = "train", **kwargs)
         ) from None
     except ValueError as error:  # e.g. an unknown split or configuration name
         raise DataError(f"cannot load data set {label!r}: {str(error).splitlines()[0]}") from None
+    except DatasetGenerationError as error:  # a file datasets cannot read, beyond what check_local_file catches
+        cause = str(error.__cause__ or error).strip().splitlines() or ["unreadable"]
+        raise DataError(f"cannot read {label!r} with datasets ({cause[0]}): check the file's format") from None
     finally:
         if shown:
             datasets.enable_progress_bars()

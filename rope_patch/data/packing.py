@@ -9,6 +9,7 @@ micro-steps) changes nothing but who computes what.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 
@@ -67,6 +68,13 @@ class PackedSequences:
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
+
+    def fingerprint(self) -> str:
+        """A hash of every token the run can train on, in packing order: whatever changed them (the data set, its
+        split or field, the documents kept, the tokenizer, the sequence length) changes it."""
+        digest = hashlib.sha256(f"{self.sequences.shape}{self.sequences.dtype}".encode())
+        digest.update(np.ascontiguousarray(self.sequences).tobytes())
+        return digest.hexdigest()[:16]
 
     def describe(self) -> str:
         return (f"{self.source}: {self.num_documents} documents, {self.num_tokens:,} tokens -> {len(self):,} sequences "

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .plots import length_axis, new_figure, prepare_path, save_figure, write_csv
+from .files import atomic_write
+from .plots import length_axis, new_figure, save_figure, write_csv
 
 SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples", "max_length")
 
@@ -71,11 +72,9 @@ def _value_text(value: float | None) -> str:
 
 
 def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *, settings: Mapping[str, Any] | None = None) -> Path:
-    path = prepare_path(path)
     summary = {"task": "lm-evaluation-harness tasks on a patched model", "settings": dict(settings or {}),
                "rows": list(rows)}
-    path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    return path
+    return atomic_write(path, json.dumps(summary, indent=2) + "\n")
 
 
 def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,

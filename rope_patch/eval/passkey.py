@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 
 from ..data import resolve_bos
 from ..errors import ConfigError, DataError
-from ..patching import forget_lengths_seen
+from ..patching import forget_lengths_seen, input_device
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep
 
@@ -145,8 +145,7 @@ def greedy_generation(model) -> Iterator[None]:
 @torch.no_grad()
 def answer(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 8) -> str:
     """Greedy continuation of one prompt, decoded without special tokens."""
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([prompt.input_ids], device=device)  # [1, length]
+    input_ids = torch.tensor([prompt.input_ids], device=input_device(model))  # [1, length]
     forget_lengths_seen(model)  # transformers' own dynamic scaling: as a freshly loaded model answers this prompt
     with greedy_generation(model):
         output = model.generate(

@@ -10,7 +10,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .plots import file_stem, length_axis, new_figure, prepare_path, save_figure, write_csv
+from .files import atomic_write
+from .plots import file_stem, length_axis, new_figure, save_figure, write_csv
 
 CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy")
 
@@ -64,7 +65,6 @@ def _accuracy_text(cell: tuple[int, int] | None) -> str:
 
 def write_json(records: Sequence[dict], path: str | Path, *, settings: dict | None = None) -> Path:
     """The run's settings, the per-cell rows and the per-length accuracy of each method."""
-    path = prepare_path(path)
     summary = {
         "task": "passkey retrieval (greedy decoding, first integer of the answer)",
         "settings": settings or {},
@@ -72,8 +72,7 @@ def write_json(records: Sequence[dict], path: str | Path, *, settings: dict | No
         "by_length": {m: [{"length": n, "correct": c, "trials": t, "accuracy": c / t} for n, (c, t) in row.items()]
                       for m, row in pooled(records, "length").items()},
     }
-    path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    return path
+    return atomic_write(path, json.dumps(summary, indent=2) + "\n")
 
 
 def _draw_heatmap(ax, records: Sequence[dict], method: str):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from ..data import TokenizedDocument
 from ..errors import ConfigError, UnsupportedModelError
 from ..loss import OutputHead, decoder_and_head, token_nll
-from ..patching import fixed_length, forget_lengths_seen
+from ..patching import fixed_length, forget_lengths_seen, input_device, weights_loaded
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
 
@@ -167,7 +167,7 @@ def window_nll(model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[
     """Per-token NLL (float32) of positions ``scored_from[b]`` … L−1 of each row of ``input_ids`` (B, L), then of
     ``next_tokens[b]`` (the token after the row, predicted by its last position) where one is given. The decoder runs
     to its last hidden state, and only the positions that predict a scored token go through the output head."""
-    decoder, _ = decoder_and_head(model)
+    decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, H)
     next_tokens = next_tokens or [None] * len(scored_from)
     length = input_ids.shape[1]
@@ -177,8 +177,21 @@ def window_nll(model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[
         states.append(hidden[b, s - 1 : last])  # (n_b, H)
         targets.append(input_ids[b, s:] if following is None else
                        torch.cat([input_ids[b, s:], input_ids.new_tensor([following])]))  # (n_b,)
-    nll = token_nll(OutputHead.of(model), torch.cat(states), torch.cat(targets), chunk=loss_chunk)
+    with weights_loaded(head):  # a head offloaded by --device-map: its weight read in, not its meta placeholder
+        device = head.weight.device  # under a device map, the head's device may not be the last layer's
+        nll = token_nll(whole_head(model), torch.cat(states).to(device), torch.cat(targets).to(device),
+                        chunk=loss_chunk)
     return list(nll.split([t.shape[0] for t in targets]))
+
+
+def whole_head(model: nn.Module) -> OutputHead:
+    """The output head with its whole weight on this process: under tensor parallelism (``--tp-plan``) the weight is
+    a DTensor shard, gathered here (the head alone, V × H)."""
+    head = OutputHead.of(model)
+    if hasattr(head.weight, "full_tensor"):
+        bias = head.bias.full_tensor() if hasattr(head.bias, "full_tensor") else head.bias
+        head = replace(head, weight=head.weight.full_tensor(), bias=bias)
+    return head
 
 
 @torch.no_grad()
@@ -239,6 +252,7 @@ class _Sweep:
     loss_chunk: int
     keys: Sweep
     accelerator: Any
+    shards: Any = None  # a SequenceShards (eval/sequence_parallel.py): each window split over a sequence group
     failures: list[EvalFailure] = field(default_factory=list)
 
     @property
@@ -247,7 +261,9 @@ class _Sweep:
 
     @property
     def world(self) -> tuple[int, int]:
-        """``(number of processes, this process's rank)``."""
+        """``(number of window streams, this process's stream)``: processes, or sequence groups under SP."""
+        if self.shards is not None:
+            return self.shards.layout.replicas, self.shards.layout.replica
         if self.accelerator is None:
             return 1, 0
         return self.accelerator.num_processes, self.accelerator.process_index
@@ -338,7 +354,10 @@ class _Sweep:
                 results, error = [], f"out of memory ({type(caught).__name__}); {OOM_HINT}"
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-            gathered = [(error, results)] if world == 1 else gather_object([(error, results)])
+            if self.shards is not None and self.shards.layout.shard:
+                results = []  # the group's first process reports the windows it shares with this one
+            processes = 1 if self.accelerator is None else self.accelerator.num_processes
+            gathered = [(error, results)] if processes == 1 else gather_object([(error, results)])
             errors = [e for e, _ in gathered if e]
             if errors:
                 raise _LengthFailed(errors[0])
@@ -375,14 +394,15 @@ class _Sweep:
     def forward(self, windows: list[Window]) -> list[torch.Tensor]:
         if not windows:
             return []
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)
         rows = [np.concatenate([[self.protocol.bos_id] * w.bos, self.documents[w.document].ids[w.start : w.end]])
                 for w in windows]
         ids = torch.as_tensor(np.stack(rows).astype(np.int64), device=device)  # (B, L)
         following = [int(self.documents[w.document].ids[w.end]) if w.next_token else None for w in windows]
         forget_lengths_seen(self.model)  # transformers' own dynamic scaling: as a fresh model scores this length
-        return window_nll(self.model, ids, [w.scored_from - w.start + w.bos for w in windows],
-                          next_tokens=following, loss_chunk=self.loss_chunk)
+        score = window_nll if self.shards is None else self.shards.window_nll
+        return score(self.model, ids, [w.scored_from - w.start + w.bos for w in windows], next_tokens=following,
+                     loss_chunk=self.loss_chunk)
 
 
 def _window_stats(nll: torch.Tensor, length: int) -> dict:
@@ -409,6 +429,7 @@ def evaluate(
     store: ResultStore | None = None,
     setup: Mapping[str, Any] | None = None,
     accelerator=None,
+    shards=None,
     progress: bool = True,
 ) -> tuple[list[dict], list[EvalFailure]]:
     """Score every document at every length under every method; return ``(records, failures)``.
@@ -419,12 +440,13 @@ def evaluate(
     reused, new ones appended the moment a document is finished. With an ``accelerator`` of several processes the
     windows are dealt round-robin and gathered, and sums are taken in window order on the main process. Out of memory
     halves the batch and retries the unfinished documents; at one window per forward it is reported for that length
-    and the run goes on.
+    and the run goes on. ``shards`` (:func:`~.sequence_parallel.sequence_shards`): each window split over a sequence
+    group of processes.
     """
     protocol.check(lengths)
     keys = Sweep(model, methods, UNIT_FIELDS, store=store, setup=setup,
                  writer=accelerator is None or accelerator.is_main_process, job="rope-patch eval")
-    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), keys, accelerator)
+    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), keys, accelerator, shards)
     unshared = {e.label: sweep.plan(e, lengths, shared=False) for e in keys.entries}  # the most work there can be
     bar = tqdm(total=sum(_tokens(plans) for plans in unshared.values()), unit="tok", unit_scale=True,
                desc=f"eval ({protocol.name})", disable=not (progress and sweep.is_main), dynamic_ncols=True)

@@ -16,7 +16,8 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from .perplexity import EvalFailure, bootstrap_interval, describe_protocol, perplexity
-from .plots import length_axis, new_figure, prepare_path, save_figure, write_csv
+from .files import atomic_write
+from .plots import length_axis, new_figure, save_figure, write_csv
 from .sweep import MethodEntry
 
 SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
@@ -90,11 +91,9 @@ def _cell_text(row: Mapping[str, Any]) -> str:
 def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
                settings: Mapping[str, Any] | None = None) -> Path:
     """The run's settings (model, data, dtype, protocol, ...) and the summary rows."""
-    path = prepare_path(path)
     summary = {"task": "perplexity", "protocol": _protocol_of(rows), "settings": dict(settings or {}),
                "rows": [dict(r) for r in rows]}
-    path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
-    return path
+    return atomic_write(path, json.dumps(summary, indent=2, default=str) + "\n")
 
 
 def position_loss(records: Sequence[Mapping[str, Any]], method: str, length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,9 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter, NullLocator
 
+from .files import atomic_write
+
 MAX_STEM = 120  # longer file stems are shortened with a hash
-
-
-def prepare_path(path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def file_stem(label: str) -> str:
@@ -34,13 +31,12 @@ def file_stem(label: str) -> str:
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path, fields: Sequence[str]) -> Path:
-    """One row per entry, in the given column order."""
-    path = prepare_path(path)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(fields))
-        writer.writeheader()
-        writer.writerows({k: row.get(k) for k in fields} for row in rows)
-    return path
+    """One row per entry, in the given column order; written whole or not at all (:func:`~.files.atomic_write`)."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(fields))
+    writer.writeheader()
+    writer.writerows({k: row.get(k) for k in fields} for row in rows)
+    return atomic_write(path, text.getvalue())
 
 
 def new_figure(width: float = 7.0, height: float = 4.5, columns: int = 1, rows: int = 1) -> tuple[Figure, list]:
@@ -64,6 +60,7 @@ def length_axis(ax, lengths: Sequence[int], *, native_length: int | None = None,
 
 
 def save_figure(fig: Figure, path: str | Path) -> Path:
-    path = prepare_path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    return path
+    """The figure in the format its suffix names, written whole or not at all."""
+    image = io.BytesIO()
+    fig.savefig(image, format=Path(path).suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
+    return atomic_write(path, image.getvalue())

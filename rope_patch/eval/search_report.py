@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from ..methods.evolution import SearchTrace
-from .plots import new_figure, prepare_path, save_figure, write_csv
+from .files import atomic_write
+from .plots import new_figure, save_figure, write_csv
 
 TABLE_FIELDS = ("method", "heldin_perplexity", "heldout_perplexity", "documents", "tokens", "status", "spec")
 
@@ -83,8 +84,7 @@ def write_reports(rows: Sequence[Mapping[str, Any]], trace: SearchTrace, curves:
                "table": [dict(r) for r in rows],
                "candidates": [{"long_factor": list(s.factors), "perplexity": s.fitness, "origin": s.origin,
                                "iteration": s.iteration} for s in trace.scored]}
-    summary_path = prepare_path(out / "summary.json")
-    summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    summary_path = atomic_write(out / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     references = {r["method"]: r["heldin_perplexity"] for r in rows
                   if r.get("heldin_perplexity") is not None and r["method"] != "searched"}
     return {"table": write_csv(rows, out / "heldout.csv", TABLE_FIELDS), "summary": summary_path,

@@ -1,17 +1,33 @@
 """Append-only results files, so long runs can be interrupted and resumed without losing finished work.
 
-Each finished unit (a method × length × document of perplexity, one passkey trial, ...) is one JSON line,
-flushed to disk the moment it is known. Re-opening the file skips what is done. A line cut short by a crash
-is dropped on open, so the file is always a consistent prefix of the run.
+Each finished unit (a method × length × document of perplexity, one passkey trial, a search candidate, ...) is one
+JSON line, written whole and synced the moment it is known. Re-opening the file skips what is done.
+
+Nothing that parses is ever deleted. A line that does not parse (a crash cut the last one short, or the file was
+edited or damaged: not JSON, JSON that is not an object, not UTF-8) is set aside into ``results.jsonl.rejected``
+beside the store, with where it came from, and the user is told in one line; every other line stays, in order. The
+writing process holds the folder's lock (:class:`~.files.FolderLock`) from opening to closing, so a rewrite (only
+after the set-aside copy is synced, atomically) and every append happen with no other writer; readers take no lock and
+change nothing. A full disk leaves no half line: the file is cut back to its last whole line and the error names the
+folder and the space needed.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import datetime
 import json
 import os
-from collections.abc import Mapping, Sequence
+import sys
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .files import FolderLock, atomic_write, disk_full_error, sync_folder
+
+REJECTED_SUFFIX = ".rejected"  # results.jsonl.rejected: the lines set aside
 
 
 def record_key(record: Mapping[str, Any], key_fields: Sequence[str]) -> tuple[str, ...]:
@@ -19,32 +35,115 @@ def record_key(record: Mapping[str, Any], key_fields: Sequence[str]) -> tuple[st
     return tuple(json.dumps(record.get(field), sort_keys=True) for field in key_fields)
 
 
-class ResultStore:
-    """A JSON-lines file of records, indexed by ``key_fields`` so a rerun can skip finished work."""
+def parse_line(raw: bytes) -> dict | str:
+    """A stored line's record, or why it is not one."""
+    if not raw.endswith(b"\n"):
+        return "cut short (no end of line)"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        return "not JSON"
+    return record if isinstance(record, dict) else f"JSON {type(record).__name__}, not an object"
 
-    def __init__(self, path: str | os.PathLike, key_fields: Sequence[str]):
+
+def append_bytes(path: Path, data: bytes) -> None:
+    """Append ``data`` whole and synced, or not at all: on a failure (a full disk) the file is cut back to its length
+    before. The caller holds the folder's lock, so nobody else appends in between."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as error:
+            try:
+                os.ftruncate(fd, start)
+                os.fsync(fd)
+            except OSError:
+                pass
+            raise disk_full_error(error, path, len(data)) or error
+        if start == 0:
+            sync_folder(path.parent)
+    finally:
+        os.close(fd)
+
+
+class ResultStore:
+    """A JSON-lines file of records, indexed by ``key_fields`` so a rerun can skip finished work.
+
+    ``writer=True`` (the default) holds the folder's lock until :meth:`close` (or the end of a ``with`` block, or the
+    process): a second writer on the folder waits for it. ``writer=False`` reads what is there, takes no lock and
+    changes nothing (the other processes of a multi-process run, reports).
+    """
+
+    def __init__(self, path: str | os.PathLike, key_fields: Sequence[str], *, writer: bool = True,
+                 job: str = "rope-patch"):
         self.path = Path(path)
         self.key_fields = tuple(key_fields)
+        self.writer, self.job = writer, job
         self._records: list[dict] = []
         self._keys: set[tuple[str, ...]] = set()
-        if self.path.exists():
+        self._lock = FolderLock(self.path.parent, job=job)
+        if writer:
+            self._lock.acquire()
+        self._release = weakref.finalize(self, self._lock.release)
+        try:
             self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let another writer have the folder (no-op for a reader, or when closed already)."""
+        self._release()
+
+    def __enter__(self) -> ResultStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _load(self) -> None:
-        good_bytes = 0
-        with open(self.path, "rb") as f:
-            for raw in f:
-                if not raw.endswith(b"\n"):
-                    break  # a line cut short by an interruption
-                try:
-                    record = json.loads(raw)
-                except json.JSONDecodeError:
-                    break
-                good_bytes += len(raw)
-                self._remember(record)
-        if good_bytes != self.path.stat().st_size:
-            with open(self.path, "r+b") as f:
-                f.truncate(good_bytes)
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        kept: list[bytes] = []
+        rejected: list[tuple[int, str, bytes]] = []  # (line number, why, the line)
+        lines = [line + b"\n" for line in data.split(b"\n")]
+        lines[-1] = lines[-1][:-1]  # what follows the last end of line: empty, or a line cut short
+        for number, raw in enumerate(filter(None, lines), 1):
+            parsed = parse_line(raw)
+            if isinstance(parsed, dict):
+                kept.append(raw)
+                self._remember(parsed)
+            else:
+                rejected.append((number, parsed, raw))
+        if rejected and self.writer:
+            self._set_aside(rejected, kept)
+
+    def _set_aside(self, rejected: list[tuple[int, str, bytes]], kept: list[bytes]) -> None:
+        """Copy the lines that do not parse into the sidecar (synced), then rewrite the store without them."""
+        sidecar = self.path.with_name(self.path.name + REJECTED_SUFFIX)
+        when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        entries = []
+        for number, why, raw in rejected:
+            entry = {"source": str(self.path), "line": number, "reason": why, "set_aside_at": when,
+                     "text": raw.decode("utf-8", "backslashreplace")}
+            if why == "not UTF-8":
+                entry["bytes_base64"] = base64.b64encode(raw).decode("ascii")
+            entries.append(json.dumps(entry) + "\n")
+        append_bytes(sidecar, "".join(entries).encode("utf-8"))
+        atomic_write(self.path, b"".join(kept))
+        where = ", ".join(f"line {n}: {why}" for n, why, _ in rejected[:3]) + (", ..." if len(rejected) > 3 else "")
+        print(f"{self.job}: set aside {len(rejected)} unreadable line{'s' if len(rejected) > 1 else ''} of {self.path} "
+              f"({where}) into {sidecar}; the {len(kept)} other lines are kept", file=sys.stderr)
 
     def key(self, record: Mapping[str, Any]) -> tuple[str, ...]:
         return record_key(record, self.key_fields)
@@ -62,15 +161,14 @@ class ResultStore:
         return len(self._records)
 
     def append(self, record: dict) -> None:
-        """Write one finished record at once (flushed and synced); a duplicate key is ignored."""
+        """Write one finished record at once (whole, synced); a duplicate key is ignored."""
+        if not self.writer:
+            raise RuntimeError(f"{self.path} was opened to read (writer=False): only the writing process appends")
+        if not self._lock.holding:
+            raise RuntimeError(f"{self.path} is closed: open the store again to append")
         if record in self:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(record, sort_keys=True) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        append_bytes(self.path, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
         self._remember(record)
 
     def records(self) -> list[dict]:
@@ -79,3 +177,14 @@ class ResultStore:
     def by_key(self) -> dict[tuple[str, ...], dict]:
         """Every stored record under its key: what a rerun skips."""
         return {self.key(r): r for r in self._records}
+
+
+@contextlib.contextmanager
+def open_store(path: str | os.PathLike | None, key_fields: Sequence[str], *, writer: bool = True,
+               job: str = "rope-patch") -> Iterator[ResultStore | None]:
+    """A job's store for one run, closed (its folder let go) on success and on error; None where there is no output."""
+    if path is None:
+        yield None
+        return
+    with ResultStore(path, key_fields, writer=writer, job=job) as store:
+        yield store

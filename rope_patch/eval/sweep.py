@@ -28,7 +28,7 @@ from torch import nn
 
 from ..methods import method_label, parse_method_spec
 from ..errors import ConfigError
-from ..patching import (config_scaling_label, current_patch, find_rotary_modules, patch_state, patched,
+from ..patching import (config_scaling_label, current_patch, find_rotary_modules, named_weights, patch_state, patched,
                         primary_rotary)
 from .store import ResultStore, record_key
 
@@ -107,7 +107,7 @@ def model_fingerprint(model: nn.Module) -> str:
     config = {k: v for k, v in model.config.to_dict().items()
               if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version", "rope_patch")}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, weight in model.named_parameters():
+    for name, weight in named_weights(model):  # an offloaded weight (device_map) read from its offload folder
         digest.update(f"{name}{tuple(weight.shape)}".encode())
         if weight.numel() and not weight.is_meta:
             flat = weight.detach().reshape(-1)  # (n,)
@@ -143,7 +143,8 @@ class Sweep:
         if store is not None and store.key_fields != self.key_fields:
             raise ConfigError(f"{store.path} is keyed by {', '.join(store.key_fields)}, not by "
                               f"{', '.join(self.key_fields)}: give this evaluation a results file of its own")
-        self.store, self.writer, self.job = store, writer, job
+        self.store, self.job = store, job
+        self.writer = writer and (store is None or store.writer)  # a store opened to read is never written
         self.setup = {**dict(setup or {}), **model_setup(model)}
         self.finished: dict[tuple, dict] = store.by_key() if store is not None else {}
         if store is not None and writer:

@@ -85,7 +85,8 @@ JOBS: dict[str, Job] = {
         "EOS) with AdamW and the Position Interpolation defaults, and save a standard transformers folder whose config "
         "carries the scaling. Runs on one process; for many GPUs start it with 'accelerate launch --config_file "
         "configs/accelerate/ddp.yaml -m rope_patch finetune ...'. Checkpoints every --save-every steps hold the "
-        "optimizer, scheduler, data position and RNG: --resume continues to the same result.",
+        "optimizer, scheduler, data position and RNG, keyed on the run's settings: --resume latest continues to the "
+        "same result. Ctrl-C or SIGTERM saves a checkpoint and prints the command that resumes.",
         "rope-patch finetune --method linear:factor=2 --seq-len 16k --steps 200 --output runs/smollm2-16k"),
     "demo": Job(
         DemoConfig, run_demo, "what `make demo` runs: inspect, perplexity and passkey on a grid sized to this machine",

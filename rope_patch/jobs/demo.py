@@ -84,7 +84,8 @@ class DemoConfig(JobConfig):
     model: str | None = option(None, MODEL_HELP)
     dtype: str = option("auto", "auto (bf16 on a GPU and on CPUs with native bf16, fp32 elsewhere), bf16, fp32 or fp16",
                         choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
-    output: str = option("runs/demo", "folder for the results (eval/, passkey/): a rerun resumes from them")
+    output: str = option("runs/demo", "folder for the results (eval/, passkey/): a rerun resumes from them",
+                         folder=True)
     progress: bool = option(True, "show progress bars")
 
     def validate(self) -> None:

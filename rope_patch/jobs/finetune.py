@@ -10,6 +10,7 @@ scaling, so it reloads anywhere without being scaled twice. The pieces live in :
 from __future__ import annotations
 
 import os
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,11 @@ from ..kernels import (
 from ..loading import load_model
 from ..methods import frequency_and_attention, method_label, parse_method_spec
 from ..patching import patch
-from ..train.checkpoints import check_distributed, resume_folder, save_final_model
+from ..eval.sweep import model_fingerprint
+from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
+from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
+                                 resume_checkpoint, save_final_model)
+from ..train.interrupt import StopRequest, TrainingInterrupted
 from ..train.log import TrainingLog, tensorboard
 from ..train.lora import add_lora, save_only_trainable_weights
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
@@ -42,13 +47,13 @@ from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, u
 from .common import NATIVE_LENGTH_HELP
 from .options import JobConfig, option
 
-# Settings that decide which data each step sees and what is trained: a resume must keep them.
-RESUME_FINGERPRINT = ("model", "method", "dataset", "split", "text_field", "subset", "num_documents",
-                      "exclude_documents", "seq_len", "seed", "schedule", "warmup_steps", "lora", "lora_rank",
-                      "lora_alpha", "lora_targets", "train_embeddings_and_norms", "pose_target_len",
-                      "pose_chunks", "native_length")
-
-DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # where Ulysses runs here
+# Settings that change the trained weights, besides the model's and the training tokens' fingerprints, the global
+# batch and the precision: each checkpoint is keyed on them, and a run resumes only its own checkpoints. How the work
+# is split (processes, micro-batches, kernels, attention implementation, activation checkpointing) and where and how
+# often things are written are left out: changing them continues the same run.
+CHECKPOINT_KEY = ("method", "seq_len", "pose_target_len", "pose_chunks", "native_length", "steps", "lr", "warmup_steps",
+                  "schedule", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "seed", "lora",
+                  "lora_rank", "lora_alpha", "lora_targets", "train_embeddings_and_norms")
 
 
 @dataclass
@@ -59,7 +64,7 @@ class FinetuneConfig(JobConfig):
 
     model: str | None = option(None, "hub id or local folder of the model to extend (default: the embedded SmolLM2-135M-Instruct)")
     method: str = option("yarn:factor=2", "scaling applied before training, as a method spec, e.g. linear:factor=2 "
-                                            "or yarn:factor=16", metavar="SPEC")
+                                            "or yarn:factor=16", metavar="SPEC", spec=True)
     dataset: str | None = option(None, "training documents, the sources of 'rope-patch eval': a hub data set, a local "
                                        "file or folder (default: the embedded stdlib corpus)")
     seq_len: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
@@ -96,11 +101,12 @@ class FinetuneConfig(JobConfig):
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
     sequence_parallel: int = option(1, "split each sequence over N processes (DeepSpeed Ulysses; N divides the "
                                        "processes of accelerate launch, data parallelism is the rest)", metavar="N")
-    output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/")
-    save_every: int = option(0, "save a resumable checkpoint every N steps (0: only the final model)")
+    output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/", folder=True)
+    save_every: int = option(0, "save a resumable checkpoint every N steps (0: none, but Ctrl-C or SIGTERM still "
+                                "saves one to resume from)")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep (0: all)")
-    resume: str | None = option(None, "continue from a checkpoint folder, or 'latest' for the newest under "
-                                      "OUTPUT/checkpoints (--resume alone means latest)", const="latest",
+    resume: str | None = option(None, "continue from a checkpoint folder, or 'latest' for this run's newest complete "
+                                      "one under OUTPUT/checkpoints (--resume alone means latest)", const="latest",
                                 metavar="CHECKPOINT")
     log_every: int = option(1, "print and record a log line every N steps")
     split: str = option("train", "split of a hub data set (slices work: train[:1000]); local files have one")
@@ -116,6 +122,8 @@ class FinetuneConfig(JobConfig):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(self, name)!r}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.save_every < 0 or self.max_grad_norm < 0:
             raise ConfigError("--lr must be positive and --warmup-steps, --save-every, --max-grad-norm not negative")
+        if self.keep_checkpoints < 0:
+            raise ConfigError(f"--keep-checkpoints must be 0 (keep all) or more, got {self.keep_checkpoints}")
         if self.lora and not self.lora_targets:
             raise ConfigError("--lora needs at least one module name in --lora-targets, e.g. q_proj,v_proj")
         if (self.save_adapter or self.train_embeddings_and_norms) and not self.lora:
@@ -148,25 +156,41 @@ class FinetuneResult:
 
 
 def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> FinetuneResult:
-    """Patch, train and save: ``finetune(method="linear:factor=2", seq_len=16384, steps=200, output="runs/x")``."""
+    """Patch, train and save: ``finetune(method="linear:factor=2", seq_len=16384, steps=200, output="runs/x")``.
+
+    Ctrl-C or SIGTERM saves a checkpoint at the end of the step and raises
+    :class:`~rope_patch.train.interrupt.TrainingInterrupted` (a KeyboardInterrupt) saying how to resume."""
     config = FinetuneConfig.from_options(config, **options)
+    try:
+        forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
+        mixed = {"auto": "bf16" if torch.cuda.is_available() else "no",
+                 "bf16-mixed": "bf16"}.get(config.precision, "no")
+        if config.precision == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION"):
+            mixed = None  # an `accelerate launch` config chose already
+        accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
+                                  step_scheduler_with_optimizer=False, log_with=tensorboard(),
+                                  project_dir=config.output, kwargs_handlers=process_group_kwargs())
+        select_fsdp_on_cpu(accelerator)
+        with StopRequest() as stop, output_lock(Path(config.output), main_process=accelerator.is_main_process):
+            return _finetune(config, accelerator, stop)
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt as interrupt:  # before training started (the stop was not armed): nothing new saved
+        raise TrainingInterrupted(None, config.steps, None, config.resume) from interrupt
+
+
+def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopRequest) -> FinetuneResult:
     output = Path(config.output)
-    mixed = {"auto": "bf16" if torch.cuda.is_available() else "no", "bf16-mixed": "bf16"}.get(config.precision, "no")
-    if config.precision == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        mixed = None  # an `accelerate launch` config chose already
-    forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
-    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
-                              step_scheduler_with_optimizer=False, log_with=tensorboard(), project_dir=str(output))
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)
-    check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
-                            data_parallel=accelerator.distributed_type in DATA_PARALLEL)
+    check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len)
     layout = SequenceLayout.of(config.sequence_parallel, accelerator.process_index, accelerator.num_processes)
     set_seed(config.seed)
 
-    model, tokenizer = load_model(config.model, dtype="bf16" if config.precision == "bf16" else "fp32",
-                                  device=accelerator.device, attn_implementation=config.attn_implementation,
-                                  native_length=config.native_length)
+    dtype = "bf16" if config.precision == "bf16" else "fp32"
+    model, tokenizer = load_model(config.model, dtype=dtype, device=accelerator.device,
+                                  attn_implementation=config.attn_implementation, native_length=config.native_length)
+    original_model = model_fingerprint(model)  # before the patch, which the method's key covers
     name, params = parse_method_spec(config.method)
     report = patch(model, name, native_length=config.native_length, **params)
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
@@ -176,6 +200,14 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
                                            num_documents=config.num_documents, exclude=config.exclude_documents,
                                            split=config.split, text_field=config.text_field, subset=config.subset)
+    key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
+    key |= {"method": method_label(name, params),  # an @FILE spec by its content
+            "model": original_model, "data": data.fingerprint(),
+            "global_batch": config.batch_size * config.grad_accum * layout.replicas,
+            "precision": f"{dtype} weights, mixed precision {accelerator.mixed_precision}"}
+    check_output_checkpoints(output, key, resuming=bool(config.resume))  # before any work
+    checkpoint = resume_checkpoint(config.resume, output, key, notes=accelerator.is_main_process) if config.resume \
+        else None
     model.config.use_cache = False
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
@@ -191,30 +223,38 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.schedule))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    fingerprint = {k: getattr(config, k) for k in RESUME_FINGERPRINT}
-    fingerprint["method"] = method_label(*parse_method_spec(config.method))  # an @FILE spec by its content
-    fingerprint["global_batch"] = config.batch_size * config.grad_accum * layout.replicas
-    progress = TrainingProgress(fingerprint)
+    progress = TrainingProgress()
     accelerator.register_for_checkpointing(progress)
     if config.lora:
         save_only_trainable_weights(accelerator)
 
-    if config.resume:
-        checkpoint = resume_folder(config.resume, output)
-        accelerator.load_state(str(checkpoint), strict=not config.lora)
-        accelerator.print(f"resumed from {checkpoint} at step {progress.step}")
+    if checkpoint is not None:
+        # LoRA checkpoints hold the trained weights only; DeepSpeed saves (and checks) its whole engine
+        strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": not config.lora}
+        accelerator.load_state(str(checkpoint.folder), **strict)
+        accelerator.print(f"resumed from {checkpoint.folder} at step {progress.step}")
     log = TrainingLog(output, accelerator, resume_step=progress.step if config.resume else 0)
     if accelerator.is_main_process:
         shards = f", each split over {layout.size} processes" if layout.size > 1 else ""
         accelerator.print(f"{report}\n{data.describe()}; global batch "
-                          f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}")
+                          f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
+                          f"; {engine_name(accelerator)}")
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
         else nullcontext()
+    stop.armed = True  # from now on a signal finishes the step and saves; the final model is saved in any case
     with preferred_attention(), sequence_parallel:
-        losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
-                       head_loss=head_loss_for(model), layout=layout, patched=patched)
+        try:
+            losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
+                           head_loss=head_loss_for(model), layout=layout, patched=patched, key=key, stop=stop)
+        except BaseException as error:
+            traceback.clear_frames(error.__traceback__)  # the loop's progress bar closes now, before any message
+            if not isinstance(error, KeyboardInterrupt) or isinstance(error, TrainingInterrupted):
+                raise
+            newest = newest_checkpoint(output, key)  # a second signal stopped at once: the last complete checkpoint
+            raise TrainingInterrupted(progress.step, config.steps, newest and newest.folder,
+                                      "latest" if newest else config.resume, accelerator.is_main_process) from error
     remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
     final = save_final_model(accelerator, model, tokenizer, output, lora=config.lora, save_adapter=config.save_adapter)

@@ -19,7 +19,8 @@ class InspectConfig(JobConfig):
     command: ClassVar[str] = "inspect"
 
     model: str | None = option(None, MODEL_HELP, positional=True)
-    method: str | None = option(None, "method to compare with, NAME[:key=value,...], e.g. yarn:factor=2", metavar="SPEC")
+    method: str | None = option(None, "method to compare with, NAME[:key=value,...], e.g. yarn:factor=2",
+                                metavar="SPEC", spec=True)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
 
     def validate(self) -> None:

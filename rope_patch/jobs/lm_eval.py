@@ -11,10 +11,10 @@ from typing import Any, ClassVar
 from ..errors import ConfigError
 from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_lengths, sweep_window
 from ..eval.harness_report import format_table, summarize, write_reports
-from ..eval.store import ResultStore
+from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import flag, option
 
 METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
@@ -25,6 +25,7 @@ class LmEvalConfig(SweepConfig):
     """Every choice of an lm-eval run. Field names are the ``rope-patch lm-eval`` options and the YAML keys."""
 
     command: ClassVar[str] = "lm-eval"
+    sequence_parallel_refusal: ClassVar[str | None] = "lm-evaluation-harness runs its own forward loop"
 
     tasks: list[str] = option([], "lm-eval task, group or tag names, comma-separated, e.g. niah_single_1,ruler_vt")
     include_path: str | None = option(None, "folder of task YAML files of your own (lm-eval's --include_path)")
@@ -40,7 +41,7 @@ class LmEvalConfig(SweepConfig):
                                                    "RULER: each length is then its own lm-eval run")
     output: str | None = option("runs/lm_eval", "folder for lm-eval's results JSON per method, results.jsonl "
                                                 "(resumable), summary.csv/.json and score_vs_length.png (none from "
-                                                "Python with output=None)")
+                                                "Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()
@@ -107,13 +108,18 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length)
     window = config.max_length
     if window is None and not sweep_lengths(config.metadata or {}):  # one window for every method, or a refusal
         window = sweep_window(loaded.model, method_entries(loaded.model, config.method))
-    store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
+    results = Path(config.output) / "results.jsonl" if config.output is not None else None
+    with open_store(results, KEY_FIELDS, job="rope-patch lm-eval") as store:  # held until the reports are written
+        return _run(config, loaded, catalog, window, store)
+
+
+def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window: int | None,
+         store: ResultStore | None) -> LmEvalResult:
     with fast_path(loaded.model, config.kernels):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,

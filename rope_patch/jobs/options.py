@@ -9,6 +9,7 @@ raise :class:`~rope_patch.errors.ConfigError` naming the option and the fix.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -18,18 +19,22 @@ from typing import Any, ClassVar
 import yaml
 
 from ..errors import ConfigError
+from ..eval.files import atomic_write
 from ..methods.values import parse_bool, parse_number
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, repeat: bool = False,
            split: bool = True, tokens: bool = False, positional: bool = False, metavar: str | None = None,
-           const: Any = None) -> Any:
+           const: Any = None, spec: bool = False, folder: bool = False, empty: bool | None = None) -> Any:
     """A config field. ``repeat``: a list option given once per value on the command line (``--method A --method
     B``); ``split``: a string value of a list option is comma-separated (off for method specs, which hold commas);
     ``tokens``: whole numbers may be written ``16k`` (= 16,384); ``positional``: a positional command-line argument;
-    ``const``: the value of the flag given alone (``--resume`` = ``--resume latest``)."""
+    ``const``: the value of the flag given alone (``--resume`` = ``--resume latest``); ``spec``: a method spec, text
+    or a mapping (``{name: yarn, factor: 2}``); ``folder``: a folder the job writes, refused now if it names a file;
+    ``empty``: whether a list option may be empty (default: only where its default is)."""
     metadata = {"help": help, "choices": choices, "repeat": repeat, "split": split, "tokens": tokens,
-                "positional": positional, "metavar": metavar, "const": const}
+                "positional": positional, "metavar": metavar, "const": const, "spec": spec, "folder": folder,
+                "empty": empty if empty is not None else default == []}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -49,9 +54,27 @@ def _parse_scalar(name: str, kind: type, value: Any, meta: Mapping[str, Any]) ->
             return float(number) if kind is float else number
     except ValueError as error:
         raise ConfigError(f"{flag(name)} {value!r}: {error}") from None
-    if isinstance(value, bool):
-        raise ConfigError(f"{flag(name)} {value!r}: give text, not true/false")
-    return value if not isinstance(value, (int, float)) or kind is not str else str(value)
+    if kind is not str or isinstance(value, str):
+        return _checked_text(name, value, meta) if isinstance(value, str) else value
+    if meta.get("spec") and isinstance(value, Mapping):
+        return value  # a method spec as a mapping, read by the spec grammar
+    if isinstance(value, os.PathLike):
+        _checked_text(name, str(os.fspath(value)), meta)
+        return value  # a path from Python stays a path
+    what = {bool: "true/false", list: "a list", tuple: "a list", dict: "a mapping"}.get(type(value))
+    what = what or (f"the number {value!r}" if isinstance(value, (int, float)) else type(value).__name__)
+    raise ConfigError(f"{flag(name)} takes text, not {what}" + (
+        f"; in YAML, quote it: {name}: '{value}'" if isinstance(value, (int, float)) else ""))
+
+
+def _checked_text(name: str, value: str, meta: Mapping[str, Any]) -> str:
+    """Text with no NUL (no file name, model name or spec holds one), and for a ``folder`` option, no existing file:
+    the job would fail on it only after its first result."""
+    if "\0" in value:
+        raise ConfigError(f"{flag(name)} {value!r} holds a NUL character; give the value without it")
+    if meta.get("folder") and os.path.lexists(value) and not os.path.isdir(value):
+        raise ConfigError(f"{flag(name)} {value!r} is a file, and the job writes a folder there; give a folder")
+    return value
 
 
 def _unwrap(kind: Any) -> tuple[Any, bool]:
@@ -76,6 +99,8 @@ def parse_value(name: str, kind: Any, value: Any, meta: Mapping[str, Any]) -> An
         elif not isinstance(value, (list, tuple)):
             value = [value]
         parsed = [_parse_scalar(name, item, v, meta) for v in value]
+        if not parsed and not meta.get("empty", True):
+            raise ConfigError(f"{flag(name)} needs at least one value")
     elif kind in (bool, int, float, str):
         parsed = _parse_scalar(name, kind, value, meta)
     else:
@@ -85,6 +110,20 @@ def parse_value(name: str, kind: Any, value: Any, meta: Mapping[str, Any]) -> An
         if choices and v not in choices:
             raise ConfigError(f"{flag(name)} {v!r}: choose one of {', '.join(map(str, choices))}")
     return parsed
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the plain loader keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = []  # a list: a key may be unhashable (the base class then refuses it in one line)
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.append(key)
+        return super().construct_mapping(node, deep)
 
 
 @dataclasses.dataclass
@@ -123,11 +162,18 @@ class JobConfig:
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; see the files under configs/")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): save it as "
+                              "UTF-8") from None
         except yaml.YAMLError as error:
             where = getattr(error, "problem_mark", None)
             line = f" at line {where.line + 1}" if where else ""
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: fix its syntax") from None
+            why = f" ({error.problem})" if getattr(error, "problem", None) else ""
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}{why}: fix its syntax") from None
+        except RecursionError:
+            raise ConfigError(f"config file {str(path)!r} nests too deeply to be a config") from None
+        data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must be a mapping of option: value")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -142,7 +188,6 @@ class JobConfig:
     def to_yaml(self, path: str | Path, *, leave_out: tuple[str, ...] = ()) -> Path:
         """Write the config as YAML whose first line is the command that reruns it."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in leave_out}
-        path.write_text(f"# rope-patch {self.command} --config {path}\n" + yaml.safe_dump(values, sort_keys=False))
-        return path
+        text = f"# rope-patch {self.command} --config {path}\n" + yaml.safe_dump(values, sort_keys=False)
+        return atomic_write(path, text)

@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 
 from ..eval.passkey import KEY_FIELDS, check_grid, evaluate_passkey
 from ..eval.passkey_report import format_table, write_reports
-from ..eval.store import ResultStore
+from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
 from .options import option
 
 
@@ -20,6 +20,8 @@ class PasskeyConfig(SweepConfig):
     """Every choice of a passkey run. Field names are the ``rope-patch passkey`` options and the YAML keys."""
 
     command: ClassVar[str] = "passkey"
+    sequence_parallel_refusal: ClassVar[str | None] = (
+        "generation decodes one token at a time against a KV cache that Ulysses' split prefill does not build")
 
     lengths: list[int] = option([4096, 8192, 16384], "prompt lengths in tokens, e.g. 4096,8192,16k", tokens=True)
     depths: list[float] = option([0.0, 0.25, 0.5, 0.75, 1.0], "key depths as fractions of the filler, 0 = start, 1 = end")
@@ -27,7 +29,7 @@ class PasskeyConfig(SweepConfig):
     seed: int = option(0, "seed of the random keys")
     max_new_tokens: int = option(8, "tokens generated per answer")
     output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots "
-                                                "(none from Python with output=None)")
+                                                "(none from Python with output=None)", folder=True)
 
     def validate(self) -> None:
         super().validate()
@@ -62,10 +64,14 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length)
-    store = ResultStore(Path(config.output) / "results.jsonl", KEY_FIELDS) if config.output is not None else None
+    results = Path(config.output) / "results.jsonl" if config.output is not None else None
+    with open_store(results, KEY_FIELDS, job="rope-patch passkey") as store:  # held until the reports are written
+        return _run(config, loaded, store)
+
+
+def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) -> PasskeyResult:
     with fast_path(loaded.model, config.kernels):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,

@@ -12,6 +12,7 @@ the hand-tuned methods at the same factor on held-out documents the search never
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -26,15 +27,17 @@ from ..errors import ConfigError, DataError
 from ..eval.perplexity import KEY_FIELDS, Protocol, check_chunked_loss
 from ..eval.search import CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, transformers_snippet
 from ..eval.search_report import format_table, write_reports
-from ..eval.store import ResultStore
+from ..eval.files import atomic_write, output_folder
+from ..eval.store import open_store
 from ..eval.sweep import model_setup
 from ..methods.evolution import (LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget,
                                  yarn_factors)
-from ..patching import native_length, primary_rotary, rotary_setup
-from .common import SweepConfig, fast_path, load_for_job, settle_native_length, split_loaded
+from ..patching import input_device, native_length, primary_rotary, rotary_setup
+from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
 from .eval import BOS_CHOICES
 from .options import option
 
+JOB = "rope-patch search"
 COMPARED = ("linear", "ntk", "yarn", "ntk_by_parts")  # the hand-tuned methods of the held-out table
 
 
@@ -43,10 +46,11 @@ class SearchConfig(SweepConfig):
     """Every choice of a search. Field names are the ``rope-patch search`` options and the YAML keys."""
 
     command: ClassVar[str] = "search"
+    sequence_parallel_refusal: ClassVar[str | None] = "the search scores its candidates in one process"
 
     method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
                                    "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",
-                               repeat=True, split=False, metavar="SPEC")
+                               repeat=True, split=False, metavar="SPEC", spec=True)
     target_length: int = option(16384, "the length the factors are searched for (beyond the native length), e.g. 16k",
                                 tokens=True)
     factor: float | None = option(None, "scale factor s: LongRoPE's attention factor sqrt(1 + ln s / ln L), factors "
@@ -75,7 +79,8 @@ class SearchConfig(SweepConfig):
                       choices=tuple(BOS_CHOICES))
     loss_chunk: int = option(1024, "tokens per slice through the output head")
     output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
-                                               "transformers_config.json, the table and plots (none with output=None)")
+                                               "transformers_config.json, the table and plots (none with output=None)",
+                                folder=True)
 
     def validate(self) -> None:
         super().validate()
@@ -167,9 +172,14 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     """
     options, loaded = split_loaded(options)
     config = SearchConfig.from_options(config, **options)
+    with contextlib.ExitStack() as stack:  # the output folder held, and the stores closed, on success and on error
+        stack.enter_context(output_folder(config.output, job=JOB))
+        return _search(config, loaded, stack)
+
+
+def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.ExitStack) -> SearchResult:
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
-    loaded = loaded or load_for_job(config.model, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                                    native_length=config.native_length)
+    loaded = config.load(loaded)
     model = loaded.model
     native = settle_native_length(model, config.native_length)
     if config.target_length <= native:
@@ -180,7 +190,7 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     protocol = Protocol("truncate", None, resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
     heldin, heldout = choose_documents(tokenize_documents(loaded.tokenizer, corpus),
                                        protocol.min_tokens(config.target_length), config)
-    probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=next(model.parameters()).device)[None]
+    probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe)
 
     settings = {"model": loaded.label, "dtype": loaded.dtype,
@@ -197,7 +207,8 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     if out is not None:
         config.to_yaml(out / "search_config.yaml")
 
-    store = ResultStore(out / "candidates.jsonl", CANDIDATE_FIELDS) if out is not None else None
+    store = stack.enter_context(open_store(out / "candidates.jsonl" if out is not None else None, CANDIDATE_FIELDS,
+                                           job=JOB))
     scorer = CandidateScorer(model, heldin, config.target_length, protocol, factor=factor, native_length=native,
                              store=store, setup=setup, loss_chunk=config.loss_chunk)
     evolution = config.evolution()
@@ -220,7 +231,8 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
         methods |= {label: label for label in (config.method or [f"{m}:factor={factor:g}" for m in COMPARED])}
         rows = []
         if heldout:
-            heldout_store = ResultStore(out / "heldout.jsonl", KEY_FIELDS) if out is not None else None
+            heldout_store = stack.enter_context(open_store(out / "heldout.jsonl" if out is not None else None,
+                                                           KEY_FIELDS, job=JOB))
             rows = compare_methods(model, heldout, methods, config.target_length, protocol, store=heldout_store,
                                    setup={**setup, "documents": None}, loss_chunk=config.loss_chunk,
                                    progress=config.progress)
@@ -245,6 +257,4 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
 
 
 def _write_json(path: Path, value: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-    return path
+    return atomic_write(path, json.dumps(value, indent=1) + "\n")

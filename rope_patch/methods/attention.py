@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidParameterError
-from .registry import Method, Param, RopeBase, get_method, register_method
+from .registry import MAX_POSITION, POSITION_BOUND_WHY, Method, Param, RopeBase, get_method, register_method
 
 PositionMap = Callable[[torch.Tensor], torch.Tensor]  # absolute positions (any shape, fp32) -> far-band positions
 
@@ -64,9 +64,11 @@ def _check_window(base: RopeBase, params: dict) -> None:
 
 
 WINDOW_ONE_EIGHTH = Param("int", "neighbour window W in tokens: pairs closer than W keep exact positions "
-                          "(default native length / 8)", default=lambda base: max(1, base.native_length // 8))
+                          "(default native length / 8)", default=lambda base: max(1, base.native_length // 8),
+                          maximum=MAX_POSITION, maximum_why=POSITION_BOUND_WHY)
 WINDOW_QUARTER = Param("int", "window W in tokens: relative positions beyond W are capped (default native length / 4)",
-                       default=lambda base: max(1, base.native_length // 4))
+                       default=lambda base: max(1, base.native_length // 4), maximum=MAX_POSITION,
+                       maximum_why=POSITION_BOUND_WHY)
 
 
 def _self_extend_length(base: RopeBase, p: dict) -> int:
@@ -80,7 +82,8 @@ def _leaky_length(base: RopeBase, p: dict) -> int:
 for _method in (
     Method("self_extend", self_extend_positions, "Self-Extend: exact positions within W, grouped by G beyond",
            "d < W: d; else ⌊i/G⌋ + W − ⌊W/G⌋ − ⌊j/G⌋",
-           {"group": Param("int", "group size G: far positions are floor-divided by G", default=8),
+           {"group": Param("int", "group size G: far positions are floor-divided by G", default=8,
+                            maximum=MAX_POSITION, maximum_why=POSITION_BOUND_WHY),
             "window": WINDOW_ONE_EIGHTH},
            context_length=_self_extend_length, kind="attention"),
     Method("rerope", rerope_positions, "ReRoPE: relative positions capped at W", "min(d, W)",

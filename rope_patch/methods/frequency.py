@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidParameterError
-from .registry import Frequencies, Method, Param, RopeBase, register_method
+from .registry import MAX_POSITION, POSITION_BOUND_WHY, Frequencies, Method, Param, RopeBase, register_method
 
 
 def default_inv_freq(rope_theta: float, dim: int) -> torch.Tensor:
@@ -204,6 +204,12 @@ def _check_betas(base: RopeBase, params: dict) -> None:
         )
 
 
+def _check_base(base: RopeBase, params: dict) -> None:
+    if params["rope_theta"] <= 1:
+        raise InvalidParameterError(f"rope_theta={params['rope_theta']:g} must be above 1: θ_i = b^(−2i/d) falls with "
+                                    "the pair index only for a base above 1 (models use 10,000 to 1,000,000)")
+
+
 def _check_llama3(base: RopeBase, params: dict) -> None:
     if params["high_freq_factor"] <= params["low_freq_factor"]:
         raise InvalidParameterError(
@@ -222,7 +228,8 @@ def _check_longrope(base: RopeBase, params: dict) -> None:
 
 
 FACTOR = Param("float", "scale factor s: the new context is about s × the native length")
-NATIVE = Param("int", "pretraining context length L (default: the model's own)", default=lambda base: base.native_length)
+NATIVE = Param("int", "pretraining context length L (default: the model's own)",
+               default=lambda base: base.native_length, maximum=MAX_POSITION, maximum_why=POSITION_BOUND_WHY)
 BETA_FAST = Param("float", "pairs turning more than this many times in L keep their frequency", default=32.0)
 BETA_SLOW = Param("float", "pairs turning fewer than this many times in L are interpolated by s", default=1.0)
 TRUNCATE = Param("bool", "round the correction range to whole pairs, as the YaRN paper does", default=True)
@@ -239,7 +246,7 @@ for _method in (
            context_length=_scaled_length),
     Method("base", rope_base, "explicit new base (ABF)", "b' = rope_theta",
            {"rope_theta": Param("float", "the new base b'")},
-           rope_parameters=lambda base, p: {"rope_type": "default", "rope_theta": p["rope_theta"]}),
+           rope_parameters=lambda base, p: {"rope_type": "default", "rope_theta": p["rope_theta"]}, check=_check_base),
     Method("dynamic_ntk", rope_dynamic_ntk, "NTK base following the current length l",
            "b' = b · (s·l/L − (s−1))^(d/(d−2)) for l > L", {"factor": FACTOR, "original_max_position_embeddings": NATIVE},
            length_dependent=True, rope_parameters=_native("dynamic", "factor"), context_length=_scaled_length),

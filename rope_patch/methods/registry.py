@@ -15,6 +15,8 @@ one with :func:`register_method`.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,12 @@ class RopeBase:
 
 Frequencies = tuple[torch.Tensor, float]
 REQUIRED = object()  # a parameter with no default
+# Positions meet the frequencies in fp32 (angles m·θ_i, the attention methods' position maps), where whole numbers are
+# exact up to 2^24: a window or group beyond it cannot be told apart from any shorter one, and an accepted method must
+# keep every angle m·θ_i finite up to it.
+MAX_POSITION = 2**24
+POSITION_BOUND_WHY = "positions are fp32, exact for whole numbers up to 2^24 = 16,777,216 tokens"
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class Param:
     help: str
     default: Any = REQUIRED
     optional: bool = False  # None is allowed and means "derived" (e.g. YaRN's attention_factor)
+    maximum: float | None = None  # the largest value that still means something, with why in ``maximum_why``
+    maximum_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,16 +124,37 @@ def _coerce(method: str, key: str, param: Param, value: Any) -> Any:
         raise unreadable(error) from None
     if number <= 0:
         raise bad("must be a positive number")
+    if param.maximum is not None and number > param.maximum:
+        raise bad(f"must be at most {param.maximum:,}" + (f" ({param.maximum_why})" if param.maximum_why else ""))
     return number if param.kind == "int" else float(number)
+
+
+def _check_names(name: str, method: Method, given: Mapping[str, Any]) -> None:
+    unknown = sorted(str(key) for key in given if key not in method.params)
+    if unknown:
+        known = ", ".join(method.params) or "none"
+        raise InvalidParameterError(f"{name}: unknown parameter {', '.join(unknown)}; its parameters: {known}")
+
+
+def canonical_params(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The one spelling of ``given``: each value read as its parameter's kind (``2`` = ``2.0`` = ``"2"``), a value
+    equal to the method's fixed default left out, keys in the registry's order. Defaults that are a function of the
+    model (``window`` = native length / 8) stay as given: whether they equal the default depends on the model."""
+    method = get_method(name)
+    _check_names(name, method, given)
+    params = {}
+    for key, param in method.params.items():
+        if key in given:
+            value = _coerce(name, key, param, given[key])
+            if param.default is REQUIRED or callable(param.default) or value != param.default:
+                params[key] = value
+    return params
 
 
 def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[str, Any]:
     """Validate ``given`` against the method's parameters and fill in defaults (the model's own where it has one)."""
     method = get_method(name)
-    unknown = sorted(set(given) - set(method.params))
-    if unknown:
-        known = ", ".join(method.params) or "none"
-        raise InvalidParameterError(f"{name}: unknown parameter {', '.join(unknown)}; its parameters: {known}")
+    _check_names(name, method, given)
     params = {}
     for key, param in method.params.items():
         if key in given:
@@ -138,7 +169,53 @@ def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[
             method.check(base, params)
         except InvalidParameterError as error:
             raise InvalidParameterError(f"{name}: {error}") from None
+    check_output(name, base, params)
     return params
+
+
+def check_output(name: str, base: RopeBase, params: Mapping[str, Any]) -> None:
+    """Refuse parameters whose result means nothing, for every method, built in or a user's: a frequency method must
+    give ``dim/2`` finite, positive frequencies whose angles m·θ_i stay finite in fp32 up to MAX_POSITION, and a
+    finite, positive attention factor (at the native length, and at MAX_POSITION where frequencies follow the length);
+    an attention method, finite far-band positions up to MAX_POSITION."""
+    method = get_method(name)
+    numbers_given = ",".join(f"{k}={v:g}" for k, v in canonical_params(name, params).items() if isinstance(v, float))
+    spelt = f"{name}:{numbers_given}" if numbers_given else name  # the numbers in question, for the messages
+    where = f"this model (rope_theta {base.rope_theta:g}, rotary dim {base.dim}, native length {base.native_length})"
+    try:
+        if method.kind == "attention":
+            probe = torch.tensor([0.0, 1.0, float(base.native_length), float(MAX_POSITION)])  # [4] absolute positions
+            if not all(torch.isfinite(far(probe)).all() for far in method.compute(**params)):
+                raise InvalidParameterError(f"{spelt}: these parameters give non-finite positions; use smaller values")
+            return
+        for seq_len in (None, MAX_POSITION) if method.length_dependent else (None,):
+            inv_freq, factor = method.compute(base, seq_len, **params)
+            _check_frequencies(spelt, base, inv_freq, factor, where)
+    except InvalidParameterError:
+        raise
+    except (ArithmeticError, ValueError, TypeError) as error:  # e.g. ln(L) = 0 in a divisor, from a user's method too
+        raise InvalidParameterError(f"{spelt}: these parameters cannot be computed for {where} "
+                                    f"({type(error).__name__}: {error}); use values in the method's usual range") from None
+
+
+def _check_frequencies(name: str, base: RopeBase, inv_freq: torch.Tensor, factor: Any, where: str) -> None:
+    if not isinstance(inv_freq, torch.Tensor) or tuple(inv_freq.shape) != (base.dim // 2,):
+        shape = tuple(inv_freq.shape) if isinstance(inv_freq, torch.Tensor) else type(inv_freq).__name__
+        raise InvalidParameterError(f"{name} returns frequencies of shape {shape}, not ({base.dim // 2},): one per "
+                                    f"rotary pair of {where}")
+    values = inv_freq.double()  # [dim/2]
+    finite = bool(torch.isfinite(values).all()) and float(values.max()) * MAX_POSITION <= FP32_MAX
+    if not finite or bool((values <= 0).any()):
+        low, high = float(values.min()), float(values.max())
+        raise InvalidParameterError(
+            f"{name}: these parameters give frequencies from {low:.3g} to {high:.3g} for {where}; every frequency must "
+            f"be finite and above 0, and position x frequency finite in fp32 up to 2^24: use a factor in the usual "
+            "range (e.g. between 1 and 1000)")
+    number = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
+    if not number or not math.isfinite(factor) or factor <= 0 or float(factor) * float(factor) > FP32_MAX:
+        raise InvalidParameterError(f"{name}: these parameters give an attention factor of {factor!r} for {where}; it "
+                                    "must be above 0 and finite in fp32 when squared (attention logits scale by it "
+                                    "squared)")
 
 
 def compute_frequencies(name: str, base: RopeBase, params: Mapping[str, Any], seq_len: int | None = None) -> Frequencies:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidParameterError
-from .registry import get_method
+from .registry import METHODS, canonical_params, get_method
 from .values import FALSE, TRUE, parse_bool, parse_number
 
 
@@ -96,12 +96,18 @@ def read_spec_file(spec: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
-    except OSError as error:
-        raise InvalidParameterError(f"method spec {spec!r}: cannot read {path!r} ({error.strerror or error}); "
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
+        if isinstance(error, json.JSONDecodeError):
+            raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not JSON ({error.msg} at line "
+                                        f"{error.lineno})") from None
+        if isinstance(error, UnicodeDecodeError):
+            raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not UTF-8 text (byte {error.start}); give "
+                                        "the JSON file search writes, e.g. @runs/search/best_method.json") from None
+        why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise InvalidParameterError(f"method spec {spec!r}: cannot read {path!r} ({why}); "
                                     "give @FILE with a JSON spec, e.g. @runs/search/best_method.json") from None
-    except json.JSONDecodeError as error:
-        raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not JSON ({error.msg} at line "
-                                    f"{error.lineno})") from None
+    except RecursionError:
+        raise InvalidParameterError(f"method spec {spec!r}: {path!r} nests too deeply to be a method spec") from None
     if not isinstance(value, dict):
         raise InvalidParameterError(f"method spec {spec!r}: {path!r} must hold one JSON object, "
                                     'e.g. {"name": "longrope", "long_factor": [...], ...}')
@@ -109,13 +115,16 @@ def read_spec_file(spec: str) -> dict[str, Any]:
 
 
 def parse_single_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """One method's ``(name, params)``, the params in their canonical form (:func:`canonical_params`): read as their
+    kinds, fixed defaults left out, in the registry's order; a key given twice is refused."""
     if not isinstance(spec, Mapping) and str(spec).strip().startswith(SPEC_FILE):
         spec = read_spec_file(str(spec))
     if isinstance(spec, Mapping):
         params = dict(spec)
         name = params.pop("name", params.pop("method", None))
-        if not name:
-            raise InvalidParameterError(f"method spec {dict(spec)!r} needs a 'name' key, e.g. {{name: yarn, factor: 2}}")
+        if not name or not isinstance(name, str):
+            raise InvalidParameterError(f"method spec {dict(spec)!r} needs a 'name' key naming a method, e.g. "
+                                        "{name: yarn, factor: 2}")
     else:
         name, _, rest = str(spec).strip().partition(":")
         params = {}
@@ -123,13 +132,20 @@ def parse_single_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise InvalidParameterError(f"method spec {spec!r}: write parameters as key=value, e.g. yarn:factor=4")
+            if key.strip() in params:
+                raise InvalidParameterError(f"method spec {spec!r}: {key.strip()} is given twice; give each parameter "
+                                            "once")
             params[key.strip()] = _parse_value(value)
-    get_method(name.strip())
-    return name.strip(), params
+    return name.strip(), canonical_params(name.strip(), params)
 
 
 def method_label(name: str, params: Mapping[str, Any] | None = None) -> str:
-    """The canonical spec string of a method and the parameters a user gave, e.g. ``yarn:factor=2``."""
+    """The canonical spec string of a method and the parameters a user gave, e.g. ``yarn:factor=2``: every spelling
+    of one method (``yarn:beta_fast=32,factor=2.0``, the mapping ``{name: yarn, factor: 2}``) gets this one label,
+    which results are keyed and reported under. A registered method's params are put in canonical form first
+    (fixed defaults left out, registry order); numbers print as ``2``, not ``2.0``."""
+    if params and name in METHODS:
+        params = canonical_params(name, params)
     if not params:
         return name
 

@@ -2,7 +2,8 @@
 
 :mod:`.rotary` finds rotary modules and swaps their frequencies, :mod:`.record` keeps the config true and remembers
 the unscaled RoPE, :mod:`.generation` holds one length for each ``generate`` call, :mod:`.attention` runs the attention-level methods
-(each layer's rotation measured by :mod:`.layer_rotation`), :mod:`.core` holds the public verbs.
+(each layer's rotation measured by :mod:`.layer_rotation`), :mod:`.offload` finds the weights of a model
+accelerate dispatched, :mod:`.core` holds the public verbs.
 """
 
 from .core import (
@@ -21,11 +22,14 @@ from .core import (
     unpatch,
 )
 from .attention import measure_layouts
+from .offload import has_offloaded_weights, input_device, named_weights, weights_loaded
 from .record import CONFIG_KEY, config_scaling_label, saved_patch
 from .rotary import find_rotary_modules, forget_lengths_seen, inv_freq_buffer, rotary_dim
 
 __all__ = [
-    "CONFIG_KEY", "PatchReport", "config_scaling_label", "current_patch", "find_rotary_modules", "fixed_length", "forget_lengths_seen", "inv_freq_buffer",
-    "measure_layouts", "native_length", "native_length_source", "patch", "patch_state", "patched", "primary_rotary",
+    "CONFIG_KEY", "PatchReport", "config_scaling_label", "current_patch", "find_rotary_modules", "fixed_length",
+    "forget_lengths_seen", "has_offloaded_weights", "input_device", "inv_freq_buffer", "measure_layouts",
+    "named_weights", "native_length", "native_length_source", "patch", "patch_state", "patched", "primary_rotary",
     "restore_saved_patch", "rotary_dim", "rotary_setup", "saved_patch", "set_native_length", "unpatch",
+    "weights_loaded",
 ]

@@ -34,6 +34,7 @@ from transformers.masking_utils import (AttentionMaskInterface, _ignore_causal_m
 from ..errors import InvalidParameterError, UnsupportedModelError
 from ..methods import get_method
 from .layer_rotation import layer_inv_freq, probe_layer_rotations, rotate_by
+from .offload import lacks_weights
 from .rotary import MISSING, find_rotary_modules
 
 ATTENTION_NAME = "rope_patch"  # the name our function is registered under in transformers' attention interface
@@ -366,7 +367,7 @@ def measure_layouts(model: nn.Module) -> dict[int, str]:
         raise UnsupportedModelError(f"{type(model).__name__}: no attention module with a layer_idx and a config; the "
                                     "attention-level methods need transformers' attention interface")
     rotary_modules = [m for _, m in find_rotary_modules(model)]
-    if any(p.is_meta for p in model.parameters()):
+    if lacks_weights(model):
         return {}  # loaded without weights (``load_structure``, for inspect): nothing will run, nothing to measure
     return probe_layer_rotations(model, modules, rotary_modules[0], rotary_modules)
 

@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import UnsupportedModelError
+from .offload import input_device
 from .rotary import MISSING, inv_freq_buffer, restore_module, snapshot_module
 
 PROBE_NAME = "rope_patch_probe"
@@ -80,8 +81,7 @@ def _probe_token_ids(config, device) -> torch.Tensor:
 
 
 def _forward_captured(model: nn.Module, configs: list, position: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    device = next(model.parameters()).device
-    ids = _probe_token_ids(model.config, device)
+    ids = _probe_token_ids(model.config, input_device(model))
     _captured.clear()
     previous = [(c, c.__dict__.get("_attn_implementation_internal", MISSING)) for c in configs]
     try:

@@ -1,43 +1,291 @@
 """Checkpoints and the final model: accelerate ``save_state`` folders to resume from, and a standard transformers
-folder at the end (LoRA merged, or the peft adapter with the patched config)."""
+folder at the end (LoRA merged, or the peft adapter with the patched config).
+
+A checkpoint belongs to its run: ``checkpoint.json`` inside it holds the run's key (every setting that changes the
+weights), its step and the size of each file. That file is written and synced last, inside a hidden temporary folder
+that is then renamed to ``step-NNNNNN``, so a visible checkpoint with the file is complete, and one without it (an
+older rope-patch, a copy cut short) is never resumed. A run never deletes, nor continues, another run's checkpoints.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
 import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DiskFullError
+
+MARKER = "checkpoint.json"  # the key, the step and the file sizes: written last, so its presence means complete
+STEP_FOLDER = re.compile(r"step-(\d+)")
+LOCK = ".finetune.lock"
+HIDDEN_PREFIXES = (".tmp-step-", ".old-step-")  # a save in progress, a checkpoint being deleted
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint folder, its step and the key of the run that wrote it."""
+
+    folder: Path
+    step: int
+    key: dict[str, Any]
+
+
+def checkpoints_root(output: Path) -> Path:
+    return Path(output) / "checkpoints"
 
 
 def checkpoint_folder(output: Path, step: int) -> Path:
-    return output / "checkpoints" / f"step-{step:06d}"
+    return checkpoints_root(output) / f"step-{step:06d}"
 
 
-def save_checkpoint(accelerator, output: Path, step: int, keep: int) -> Path:
-    """Weights, optimizer, scheduler, RNG of every process and the data position, via accelerate's ``save_state``."""
-    folder = checkpoint_folder(output, step)
-    accelerator.save_state(str(folder))
+def as_json(key: dict[str, Any]) -> dict[str, Any]:
+    """The key as it reads back from ``checkpoint.json`` (tuples become lists), so that keys compare equal."""
+    return json.loads(json.dumps(key, sort_keys=True, default=str))
+
+
+def key_differences(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """``lr: 0.001 there, 0.005 here; steps: ...``: the settings in which two runs' keys differ."""
+    now = as_json(now)
+    names = sorted(set(saved) | set(now))
+    return "; ".join(f"{n}: {saved.get(n)!r} there, {now.get(n)!r} here" for n in names if saved.get(n) != now.get(n))
+
+
+def read_checkpoint(folder: Path) -> tuple[Checkpoint | None, str]:
+    """The checkpoint in ``folder``, or None and why it cannot be resumed (incomplete, damaged)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        step, key, files = int(marker["step"]), dict(marker["key"]), dict(marker["files"])
+    except FileNotFoundError:
+        return None, (f"no {MARKER} (its save was interrupted, or an older rope-patch wrote it)"
+                      if folder.is_dir() else "no such folder")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return None, f"unreadable {MARKER} ({error})"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            found = f"{path.stat().st_size:,} bytes" if path.is_file() else "missing"
+            return None, f"damaged: {name} is {found}, {size:,} bytes expected"
+    return Checkpoint(folder, step, key), ""
+
+
+def scan_checkpoints(output: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
+    """The complete checkpoints under OUTPUT/checkpoints by step (parsed, not sorted as text), and the ``step-*``
+    folders that are not complete, each with the reason. Hidden temporary folders are ignored."""
+    root = checkpoints_root(output)
+    complete: list[Checkpoint] = []
+    incomplete: list[tuple[Path, str]] = []
+    folders = [p for p in root.iterdir() if STEP_FOLDER.fullmatch(p.name)] if root.is_dir() else []
+    for folder in sorted(folders, key=lambda p: int(STEP_FOLDER.fullmatch(p.name).group(1))):
+        checkpoint, reason = read_checkpoint(folder)
+        if checkpoint is None:
+            incomplete.append((folder, reason))
+        else:
+            complete.append(checkpoint)
+    return complete, incomplete
+
+
+def check_output_checkpoints(output: Path, key: dict[str, Any], *, resuming: bool) -> None:
+    """Refuse to start where this run would mix with another: OUTPUT/checkpoints holding another run's checkpoints,
+    or, for a fresh run (no ``--resume``), any checkpoint at all (this run's own are continued with --resume latest)."""
+    complete, incomplete = scan_checkpoints(output)
+    root = checkpoints_root(output)
+    foreign = [c for c in complete if c.key != as_json(key)]
+    if foreign:
+        newest = foreign[-1]
+        raise ConfigError(f"{root} holds checkpoints of another run (up to {newest.folder.name}; it differs in "
+                          f"{key_differences(newest.key, key)}): continue it with its own settings and --resume "
+                          "latest, or choose another --output")
+    if resuming:
+        return
+    if complete:
+        raise ConfigError(f"{root} holds this run's checkpoints up to {complete[-1].folder.name}: add --resume latest "
+                          "to continue it, or choose another --output")
+    if incomplete:
+        raise ConfigError(f"{root} holds {incomplete[0][0].name}, which is not a complete checkpoint "
+                          f"({incomplete[0][1]}): move it away, or choose another --output")
+
+
+def resume_checkpoint(resume: str, output: Path, key: dict[str, Any], *, notes: bool = True) -> Checkpoint:
+    """The checkpoint ``--resume`` names, checked to belong to this run: ``latest`` is the newest complete one
+    under OUTPUT/checkpoints (incomplete ones are skipped with a note); a folder must be complete."""
+    if resume == "latest":
+        complete, incomplete = scan_checkpoints(output)
+        newest = complete[-1].step if complete else -1
+        for folder, reason in incomplete:
+            if notes and int(STEP_FOLDER.fullmatch(folder.name).group(1)) > newest:
+                print(f"rope-patch finetune: skipping {folder}: {reason}", file=sys.stderr)
+        if not complete:
+            raise ConfigError(f"--resume latest: no complete checkpoint under {checkpoints_root(output)}; run "
+                              "without --resume to start (and with --save-every N to save checkpoints)")
+        checkpoint = complete[-1]
+    else:
+        checkpoint, reason = read_checkpoint(Path(resume))
+        if checkpoint is None:
+            raise ConfigError(f"--resume {resume}: not a complete rope-patch checkpoint ({reason}); use --resume "
+                              f"latest, or another folder under {checkpoints_root(output)}")
+    if checkpoint.key != as_json(key):
+        raise ConfigError(f"cannot resume {checkpoint.folder}: it belongs to another run (it differs in "
+                          f"{key_differences(checkpoint.key, key)}); use that run's settings, or start afresh with "
+                          "another --output")
+    return checkpoint
+
+
+@contextlib.contextmanager
+def output_lock(output: Path, *, main_process: bool = True) -> Iterator[None]:
+    """One fine-tune at a time in an output folder (an advisory ``flock``, released by the system when the process
+    dies, ``kill -9`` included). Under the lock, temporary folders left by a killed save are removed."""
+    if not main_process:
+        yield
+        return
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output {output} is a file; name a folder")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        handle = open(output / LOCK, "a+")
+    except OSError as error:
+        raise ConfigError(f"cannot write into --output {output} ({error.strerror}); choose another folder") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise ConfigError(f"{output} is in use by another fine-tune ({holder}); wait for it to end, or choose "
+                              "another --output") from None
+        except OSError as error:  # a file system without flock (some network mounts)
+            locked = False
+            print(f"rope-patch finetune: cannot lock {output} ({error.strerror}): nothing keeps a second fine-tune "
+                  "out of it", file=sys.stderr)
+        if locked:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+            handle.flush()
+            root = checkpoints_root(output)
+            for leftover in root.glob(".*-step-*") if root.is_dir() else ():
+                if leftover.name.startswith(HIDDEN_PREFIXES):  # left by a killed run: only one run holds the lock
+                    shutil.rmtree(leftover, ignore_errors=True)
+        try:
+            yield
+        finally:
+            if locked:
+                handle.seek(0)
+                handle.truncate()
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def state_bytes(accelerator) -> int:
+    """About what a checkpoint needs on disk: every tensor of the models' and optimizers' states."""
+    total = 0
+    for state in [m.state_dict() for m in accelerator._models] + [o.state_dict() for o in accelerator._optimizers]:
+        stack = [state]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                total += item.numel() * item.element_size()
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+    return total
+
+
+def sync_folder(folder: Path) -> dict[str, int]:
+    """fsync every file under ``folder`` and the folder itself; returns each file's size (relative names)."""
+    sizes: dict[str, int] = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
+    sync_directory(folder)
+    return sizes
+
+
+def sync_directory(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def disk_full(error: BaseException, folder: Path, needed: int) -> bool:
+    """Whether a failed save ran out of space: ENOSPC/EDQUOT, or a write error (torch reports them as RuntimeError)
+    with less free space left than a checkpoint needs."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(error, (OSError, RuntimeError)) and shutil.disk_usage(folder).free < needed
+
+
+def save_checkpoint(accelerator, output: Path, step: int, keep: int, key: dict[str, Any]) -> Path:
+    """Weights, optimizer, scheduler, RNG of every process and the data position (accelerate's ``save_state``), into
+    a temporary folder renamed to ``step-NNNNNN`` once complete; then the oldest of this run's checkpoints beyond
+    the newest ``keep`` are deleted (0: keep all). A full disk raises :class:`DiskFullError` and leaves nothing."""
+    root, final = checkpoints_root(output), checkpoint_folder(output, step)
+    temporary = root / f".tmp-step-{step:06d}"  # one name for every process: the output lock keeps runs apart
+    own = [c for c in scan_checkpoints(output)[0] if c.key == as_json(key)] if accelerator.is_main_process else []
+    needed = folder_bytes(own[-1].folder) if own else state_bytes(accelerator)
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(temporary))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            files = sync_folder(temporary)
+            marker = {"step": step, "key": as_json(key), "files": files}
+            with open(temporary / MARKER, "w") as handle:
+                json.dump(marker, handle, indent=1, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+            sync_directory(temporary)
+            if final.exists():  # this run's own step, saved before by an attempt resumed from an earlier step
+                final.rename(root / f".old-step-{step:06d}")
+            temporary.rename(final)
+            sync_directory(root)
+            shutil.rmtree(root / f".old-step-{step:06d}", ignore_errors=True)
+    except BaseException as error:
+        if accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)
+        if disk_full(error, root, needed):
+            raise DiskFullError(f"no space left to save the checkpoint of step {step} in {root}: it needs about "
+                                f"{needed / 2**20:,.1f} MiB, {shutil.disk_usage(root).free / 2**20:,.1f} MiB are free "
+                                "(the previous checkpoints are intact); free some space and resume with "
+                                "--resume latest") from error
+        raise
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and keep:
-        for old in sorted((output / "checkpoints").glob("step-*"))[:-keep]:
-            shutil.rmtree(old)
-    return folder
+        mine = [c for c in scan_checkpoints(output)[0] if c.key == as_json(key)]
+        for old in mine[:-keep]:
+            doomed = root / f".old-{old.folder.name}"
+            old.folder.rename(doomed)  # gone from view at once: a kill mid-delete leaves no half checkpoint
+            shutil.rmtree(doomed, ignore_errors=True)
+    return final
 
 
-def resume_folder(resume: str, output: Path) -> Path:
-    """The checkpoint ``--resume`` names: a folder, or ``latest`` under OUTPUT/checkpoints."""
-    if resume == "latest":
-        found = sorted((output / "checkpoints").glob("step-*"))
-        if not found:
-            raise ConfigError(f"--resume latest: no checkpoint under {output / 'checkpoints'}; run with --save-every N first")
-        return found[-1]
-    folder = Path(resume)
-    if not (folder / "custom_checkpoint_0.pkl").is_file():
-        raise ConfigError(f"--resume {resume}: not a rope-patch checkpoint folder (expected {output}/checkpoints/step-NNNNNN)")
-    return folder
+def newest_checkpoint(output: Path, key: dict[str, Any]) -> Checkpoint | None:
+    """This run's newest complete checkpoint under OUTPUT/checkpoints, if any."""
+    mine = [c for c in scan_checkpoints(output)[0] if c.key == as_json(key)]
+    return mine[-1] if mine else None
 
 
 def params_sharded(accelerator) -> bool:

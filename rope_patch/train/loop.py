@@ -21,6 +21,7 @@ from ..data import PackedSequences, pose_batch
 from ..errors import ConfigError
 from ..loss import HeadLoss, causal_lm_loss
 from .checkpoints import params_sharded, save_checkpoint
+from .interrupt import StopRequest, TrainingInterrupted
 from .log import TrainingLog
 from .sequence_parallel import SequenceLayout, shard_loss
 
@@ -45,20 +46,15 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
 
 class TrainingProgress:
     """What a checkpoint needs besides weights, optimizer, scheduler and RNG: the step (= the data position, since
-    the sequences of a step are a function of it) and the settings that must not change across a resume."""
+    the sequences of a step are a function of it). The run's key lives in the checkpoint's ``checkpoint.json``."""
 
-    def __init__(self, fingerprint: dict[str, Any]):
+    def __init__(self) -> None:
         self.step = 0
-        self.fingerprint = fingerprint
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "fingerprint": self.fingerprint}
+        return {"step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        changed = {k: (v, self.fingerprint.get(k)) for k, v in state["fingerprint"].items() if self.fingerprint.get(k) != v}
-        if changed:
-            detail = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
-            raise ConfigError(f"cannot resume: the run's settings changed ({detail}); use the original settings")
         self.step = int(state["step"])
 
 
@@ -98,11 +94,14 @@ def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, positio
 
 def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSequences, progress: TrainingProgress,
           log: TrainingLog, head_loss: HeadLoss | None = None, layout: SequenceLayout | None = None,
-          patched: torch.nn.Module | None = None) -> dict[int, float]:
+          patched: torch.nn.Module | None = None, key: dict[str, Any] | None = None,
+          stop: StopRequest | None = None) -> dict[int, float]:
     """Run optimizer steps until ``config.steps``; each runs ``config.grad_accum`` micro-steps of ``config.batch_size``
     sequences per data-parallel replica. ``config`` is the job's :class:`~rope_patch.jobs.finetune.FinetuneConfig`.
     ``layout``: with sequence parallelism, the processes sharing each sequence (``patched``: the patched model inside
-    the wrappers). Returns ``{step: mean training loss}`` of the steps this call ran."""
+    the wrappers). ``key``: the run's key, written into each checkpoint. ``stop``: a signal asked to stop; the loop
+    saves a checkpoint at the end of the step and raises :class:`TrainingInterrupted`. Returns
+    ``{step: mean training loss}`` of the steps this call ran."""
     layout = layout or SequenceLayout.of(1, accelerator.process_index, accelerator.num_processes)
     ranks, rank = layout.replicas, layout.replica  # the processes of a sequence group train on the same sequences
     plain_loss = params_sharded(accelerator)
@@ -123,7 +122,8 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
                                           seed=config.seed).to(accelerator.device)  # (B, seq_len)
             with accelerator.accumulate(model):
                 if layout.size > 1:
-                    loss = shard_loss(model, patched, input_ids, layout, position_ids=position_ids, head_loss=head_loss)
+                    loss = shard_loss(model, patched, input_ids, layout, position_ids=position_ids, head_loss=head_loss,
+                                      plain=plain_loss)
                 else:
                     loss = micro_batch_loss(model, input_ids, position_ids=position_ids, plain=plain_loss,
                                             head_loss=head_loss)
@@ -140,7 +140,13 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
         bar.set_postfix(loss=f"{losses[progress.step]:.4f}")
         log.record(progress.step, losses[progress.step], lr, tokens_per_step, time.perf_counter() - started,
                    write=progress.step % config.log_every == 0 or progress.step == config.steps)
+        saved = None
         if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
-            save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints)
+            saved = save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints, key or {})
+        if stop is not None and progress.step < config.steps and stop.agreed(accelerator):
+            bar.close()  # before the message the stop prints
+            saved = saved or save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints,
+                                             key or {})
+            raise TrainingInterrupted(progress.step, config.steps, saved, "latest", accelerator.is_main_process)
     bar.close()
     return losses

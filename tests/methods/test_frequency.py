@@ -162,7 +162,8 @@ def test_unknown_method_lists_the_known_ones():
     "spec, expected",
     [
         ("none", ("none", {})),
-        ("yarn:factor=4,beta_fast=32", ("yarn", {"factor": 4, "beta_fast": 32})),
+        ("yarn:factor=4,beta_fast=32", ("yarn", {"factor": 4})),  # 32 is the default: one spelling of yarn x4
+        ("yarn:beta_fast=16,factor=4", ("yarn", {"factor": 4, "beta_fast": 16})),
         (" linear : factor = 2.5 ", ("linear", {"factor": 2.5})),
         ("longrope:factor=2,short_factor=[1,2],long_factor=[1.5,3]",
          ("longrope", {"factor": 2, "short_factor": [1, 2], "long_factor": [1.5, 3]})),

@@ -139,11 +139,6 @@ def test_attention_level_methods_are_refused_with_the_reason():
         FinetuneConfig(sequence_parallel=2, method="yarn:factor=2+self_extend:group=4,window=16")
 
 
-def test_sharded_weights_are_refused():
-    with pytest.raises(ConfigError, match="not FSDP or a DeepSpeed engine"):
-        check_sequence_parallel(2, processes=2, seq_len=SEQ_LEN, data_parallel=False)
-
-
 def test_missing_deepspeed_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an environment without it gives
     with pytest.raises(MissingExtraError, match="rope-patch\\[deepspeed\\]"):

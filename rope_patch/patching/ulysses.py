@@ -1,0 +1,95 @@
+"""DeepSpeed Ulysses around transformers' core attention: one sequence split over N processes.
+
+Shared by training (:mod:`rope_patch.train.sequence_parallel`) and evaluation
+(:mod:`rope_patch.eval.sequence_parallel`). Each process holds one contiguous shard of the sequence;
+``UlyssesSPAttentionHF`` swaps, around the core attention function, the shards' heads for whole-sequence heads (one
+all-to-all in, one out), so each process attends over all L tokens for H / N heads. It replaces transformers' process-wide ``ALL_ATTENTION_FUNCTIONS[impl]``: surgery, hence
+here. deepspeed is an optional extra, imported where used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..errors import ConfigError, MissingExtraError
+
+INSTALL = 'pip install "rope-patch[deepspeed]" (on a machine without CUDA: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)'
+ULYSSES_MIN_VERSION = (0, 18, 2)  # UlyssesSPAttentionHF with transformers' attention interface
+CORE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")  # what Ulysses can wrap (eager needs a 4D mask)
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Where this process sits: shard ``shard`` of ``size`` in its sequence group, data-parallel replica
+    ``replica`` of ``replicas``. DeepSpeed groups consecutive ranks: ranks 0 … N−1 share a sequence, and so on."""
+
+    size: int = 1
+    shard: int = 0
+    replicas: int = 1
+    replica: int = 0
+
+    @classmethod
+    def of(cls, size: int, rank: int, world: int) -> SequenceLayout:
+        return cls(size=size, shard=rank % size, replicas=world // size, replica=rank // size)
+
+    def split(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's contiguous shard (B, L / N) of a whole-sequence tensor (B, L)."""
+        length = tensor.shape[1] // self.size
+        return tensor[:, self.shard * length : (self.shard + 1) * length]
+
+
+def check_ulysses_model(model: nn.Module, size: int) -> None:
+    """Refuse, in one line, a model whose attention Ulysses cannot split ``size`` ways exactly."""
+    implementation = model.config._attn_implementation
+    if implementation not in CORE_ATTENTION:
+        raise ConfigError(f"--sequence-parallel needs attention Ulysses can wrap ({', '.join(CORE_ATTENTION)}), not "
+                          f"{implementation!r}, which builds a whole-sequence 4D mask; use --attn-implementation sdpa")
+    text = model.config.get_text_config()
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ConfigError(f"--sequence-parallel {size} must divide the model's {heads} attention heads, and its "
+                          f"{kv_heads} key/value heads must divide or be divisible by it; choose another size")
+
+
+def require_ulysses():
+    """DeepSpeed's ``UlyssesSPAttentionHF``, or one line naming the extra that installs it."""
+    try:
+        import deepspeed
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    except ImportError as error:
+        raise MissingExtraError(f"--sequence-parallel needs DeepSpeed >= 0.18.2 ({error}): {INSTALL}") from None
+    version = tuple(int(part) for part in deepspeed.__version__.split(".")[:3] if part.isdigit())
+    if version < ULYSSES_MIN_VERSION:
+        raise MissingExtraError(f"--sequence-parallel needs DeepSpeed >= 0.18.2 for Ulysses, found "
+                                f"{deepspeed.__version__}: {INSTALL}")
+    return deepspeed, UlyssesSPAttentionHF
+
+
+@contextmanager
+def ulysses_attention(model: nn.Module, size: int, *, batch_size: int) -> Iterator[None]:
+    """Inside the block, ``model``'s core attention runs through Ulysses over groups of ``size`` consecutive ranks.
+
+    DeepSpeed replaces transformers' process-wide ``ALL_ATTENTION_FUNCTIONS[impl]`` and keeps its groups in module
+    globals; both are put back on the way out, so a later job in the process (or another model) is untouched.
+    Every forward pass must then receive global ``position_ids`` (Ulysses gathers them to mask causally).
+    """
+    deepspeed, ulysses = require_ulysses()
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as groups
+
+    implementation = model.config._attn_implementation
+    original = ALL_ATTENTION_FUNCTIONS[implementation]
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # wraps the launcher's process group
+    try:
+        ulysses.register_with_transformers(model_name_or_path=model, core_attn_implementation=implementation,
+                                           sequence_parallel_size=size, micro_batch_size=batch_size,
+                                           seq_length_is_variable=True)
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS[implementation] = original
+        groups._SEQUENCE_PARALLEL_GROUP = groups._SEQUENCE_DATA_PARALLEL_GROUP = None

@@ -1,0 +1,241 @@
+"""The spec grammar under fuzzing: every input parses into a method whose frequencies are finite and positive (and
+whose attention factor is finite) for several models, or is refused with one RopePatchError line; every spelling of
+one method is one label."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rope_patch import errors
+from rope_patch.eval.sweep import method_entries
+from rope_patch.methods import (
+    METHODS,
+    Method,
+    Param,
+    RopeBase,
+    available_methods,
+    compute_frequencies,
+    frequency_and_attention,
+    get_method,
+    method_label,
+    parse_method_spec,
+    register_method,
+    resolve_params,
+)
+from rope_patch.methods.attention import far_relative_position
+from rope_patch.methods.registry import REQUIRED
+
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+BASES = [RopeBase(10000.0, 16, 64), RopeBase(500000.0, 128, 8192), RopeBase(1e6, 64, 32768)]
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _one_line_refusal(error: BaseException) -> None:
+    assert isinstance(error, errors.RopePatchError), f"{type(error).__name__}: {error}"
+    assert str(error) and "\n" not in str(error)
+
+
+def check_spec(spec) -> bool:
+    """Parse ``spec`` and apply it to every base: True where it is accepted for at least one, and then its frequencies
+    are finite, positive and finite at every position up to 2^24; every refusal is one RopePatchError line."""
+    try:
+        frequency, attention = frequency_and_attention(*parse_method_spec(spec))
+    except Exception as error:  # noqa: BLE001  (the property: only RopePatchError)
+        _one_line_refusal(error)
+        return False
+    accepted = False
+    for base in BASES:
+        try:
+            resolved = [(name, resolve_params(name, base, given)) for name, given in filter(None, (frequency, attention))]
+        except Exception as error:  # noqa: BLE001
+            _one_line_refusal(error)
+            continue
+        accepted = True
+        for name, params in resolved:
+            if get_method(name).kind == "attention":
+                distance = torch.tensor([0.0, 1.0, 1e3, 2.0**24])  # [4]
+                assert torch.isfinite(far_relative_position(name, params, distance)).all()
+                continue
+            for seq_len in (None, base.native_length, 4 * base.native_length):
+                inv_freq, factor = compute_frequencies(name, base, params, seq_len)
+                assert inv_freq.shape == (base.dim // 2,)
+                assert torch.isfinite(inv_freq).all() and (inv_freq > 0).all(), (spec, inv_freq)
+                assert float(inv_freq.max()) * 2**24 <= FP32_MAX
+                assert 0 < factor and factor * factor <= FP32_MAX
+    return accepted
+
+
+# ------------------------------------------------------------------------------------------------ strategies
+
+NAMES = st.sampled_from(available_methods() + ["bogus", "", "Yarn"])
+NUMBER_TEXT = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.integers(-(10**20), 10**20).map(str),
+    st.sampled_from(["1e300", "1e-300", "1e14", "0", "-1", "2", "2.0", "32", "1_000", "16k", "nan", "inf", "true",
+                     "off", "none", "[1,2]", "[]", "()", "[[1]]", "abc", "", "1e+6"]),
+)
+
+
+@st.composite
+def structured_specs(draw):
+    """A method name and key=value pairs drawn from its parameters (and unknown ones), as a string."""
+    name = draw(NAMES)
+    keys = list(METHODS[name].params) + ["bogus"] if name in METHODS else ["factor", "window"]
+    items = draw(st.lists(st.tuples(st.sampled_from(keys), NUMBER_TEXT), max_size=5))
+    if name == "longrope" and draw(st.booleans()):
+        pairs = draw(st.sampled_from([8, 64, 32]))
+        value = draw(st.sampled_from(["1", "1.5", "0", "1e300", "1e-300"]))
+        items += [("short_factor", "[" + ",".join([value] * pairs) + "]"),
+                  ("long_factor", "[" + ",".join(["2"] * pairs) + "]"), ("factor", "2")]
+    text = name + (":" + ",".join(f"{k}={v}" for k, v in items) if items else "")
+    if draw(st.booleans()):
+        text += "+" + draw(st.sampled_from(["self_extend:group=4,window=16", "rerope", "rerope:window=1e14",
+                                            "leaky_rerope:factor=1", "yarn:factor=2"]))
+    return text
+
+
+MAPPING_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**20),
+                           st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5),
+                           st.lists(st.floats(0.5, 4), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
+                                                                                    max_size=2))
+
+
+@st.composite
+def mapping_specs(draw):
+    name = draw(st.one_of(NAMES, st.integers(), st.none(), st.lists(st.text(max_size=3), max_size=2)))
+    keys = list(METHODS[name].params) + ["bogus", 5] if isinstance(name, str) and name in METHODS else ["factor"]
+    params = draw(st.dictionaries(st.sampled_from(keys), MAPPING_VALUES, max_size=4))
+    return {"name": name, **params}
+
+
+# ------------------------------------------------------------------------------------------------ properties
+
+
+@FUZZ
+@given(st.text(alphabet=st.sampled_from(list("yarnlinetkbs_:=,+.[]()0123456789e-@ ")) | st.characters(), max_size=40))
+def test_any_text_spec_gives_finite_frequencies_or_one_line(spec):
+    check_spec(spec)
+
+
+@FUZZ
+@given(structured_specs())
+def test_structured_specs_give_finite_frequencies_or_one_line(spec):
+    check_spec(spec)
+
+
+@FUZZ
+@given(mapping_specs())
+def test_mapping_specs_give_finite_frequencies_or_one_line(spec):
+    check_spec(spec)
+
+
+@st.composite
+def accepted_frequency_specs(draw):
+    name = draw(st.sampled_from(["linear", "ntk", "yarn", "ntk_by_parts", "llama3", "dynamic_ntk"]))
+    params = {"factor": draw(st.sampled_from([1.5, 2, 4, 8.0, 16]))}
+    if name in ("yarn", "ntk_by_parts") and draw(st.booleans()):
+        params["beta_fast"] = draw(st.sampled_from([16, 32, 64]))
+    if name == "llama3" and draw(st.booleans()):
+        params["high_freq_factor"] = draw(st.sampled_from([4, 8.0]))
+    return name, params
+
+
+def spellings(name: str, params: dict) -> list:
+    """Ways of writing one method: another key order, every fixed default written out, numbers as floats, a mapping,
+    a JSON round trip."""
+    defaults = {k: p.default for k, p in METHODS[name].params.items()
+                if p.default is not REQUIRED and not callable(p.default) and p.default is not None and k not in params}
+
+    def text(items):
+        return name + ":" + ",".join(f"{k}={v}" for k, v in items)
+
+    floats = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in params.items()}
+    return [text(params.items()), text(reversed(list(params.items()))), text({**defaults, **params}.items()),
+            text(floats.items()), {"name": name, **params}, {"method": name, **floats},
+            json.loads(json.dumps({"name": name, **defaults, **params}))]
+
+
+@FUZZ
+@given(accepted_frequency_specs())
+def test_every_spelling_of_one_method_has_one_label(drawn):
+    name, params = drawn
+    labels = {method_label(*parse_method_spec(spec)) for spec in spellings(name, params)}
+    assert labels == {method_label(name, params)}, labels
+    assert len(method_entries(None, spellings(name, params))) == 1
+
+
+# ------------------------------------------------------------------------------------------------ regressions (issue 23)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("linear:factor=1e300", "finite and above 0"),  # frequencies underflow to 0
+    ("linear:factor=1e-300", "finite and above 0"),  # frequencies overflow: nan perplexity
+    ("dynamic_ntk:factor=1e300", "finite and above 0"),
+    ("yarn:factor=2,factor=4", "factor is given twice"),
+    ("rerope:window=1e14", "at most 16,777,216"),
+    ("self_extend:group=1e9,window=16", "at most 16,777,216"),
+    ("yarn:factor=0.5,attention_factor=1e300", "attention factor"),
+    ("base:rope_theta=1", "above 1"),
+    ("longrope:factor=2,original_max_position_embeddings=1,short_factor=[1,1,1,1,1,1,1,1],"
+     "long_factor=[1,1,1,1,1,1,1,1]", "cannot be computed"),  # ln L = 0 in a divisor
+])
+def test_meaningless_specs_are_refused_in_one_line(spec, message):
+    with pytest.raises(errors.InvalidParameterError, match=message) as refused:
+        for name, given in filter(None, frequency_and_attention(*parse_method_spec(spec))):
+            resolve_params(name, BASES[0], given)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("spec, label", [
+    ("yarn:factor=2", "yarn:factor=2"),  # the plain spelling keeps today's label: stored rows stay valid
+    ("yarn:factor=2,beta_fast=32", "yarn:factor=2"),
+    ("yarn:beta_fast=32,factor=2.0", "yarn:factor=2"),
+    ("yarn:beta_slow=2,factor=2", "yarn:factor=2,beta_slow=2"),
+    ({"name": "yarn", "factor": 2.0, "truncate": True}, "yarn:factor=2"),
+    ("yarn:factor=2,truncate=off", "yarn:factor=2,truncate=False"),
+    ("linear:factor=2.5", "linear:factor=2.5"),
+    ("self_extend:window=16,group=8", "self_extend:window=16"),
+    ("self_extend:window=16,group=4", "self_extend:group=4,window=16"),
+    ("yarn:beta_fast=32,factor=2+rerope:window=16", "yarn:factor=2+rerope:window=16"),
+])
+def test_spellings_of_one_spec_share_the_canonical_label(spec, label):
+    assert method_label(*parse_method_spec(spec)) == label
+
+
+def test_a_sweep_counts_spellings_of_one_method_once():
+    entries = method_entries(None, ["yarn:factor=2", "yarn:beta_fast=32,factor=2.0", {"name": "yarn", "factor": "2"}])
+    assert [e.label for e in entries] == ["yarn:factor=2"]
+
+
+def test_spec_files_that_are_not_text_are_refused_in_one_line(tmp_path):
+    binary = tmp_path / "spec.json"
+    binary.write_bytes(b"\xff{}")
+    with pytest.raises(errors.InvalidParameterError, match="not UTF-8"):
+        parse_method_spec(f"@{binary}")
+    with pytest.raises(errors.InvalidParameterError, match="cannot read"):
+        parse_method_spec("@spec\0.json")
+
+
+def test_a_users_method_with_meaningless_output_is_refused_centrally():
+    def broken(base, seq_len=None, *, factor):
+        return torch.zeros(base.dim // 2), 1.0  # every frequency 0: no rotation at all
+
+    def wrong_shape(base, seq_len=None, *, factor):
+        return torch.ones(3), 1.0
+
+    try:
+        register_method(Method("broken", broken, "test", "0", {"factor": Param("float", "s")}))
+        register_method(Method("wrong_shape", wrong_shape, "test", "1", {"factor": Param("float", "s")}))
+        with pytest.raises(errors.InvalidParameterError, match="finite and above 0"):
+            resolve_params("broken", BASES[0], {"factor": 2})
+        with pytest.raises(errors.InvalidParameterError, match="shape"):
+            resolve_params("wrong_shape", BASES[0], {"factor": 2})
+    finally:
+        METHODS.pop("broken", None)
+        METHODS.pop("wrong_shape", None)
