@@ -85,3 +85,16 @@ def make_char_tokenizer(add_bos: bool = False):
         backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>")
+
+
+def write_training_workspace(root, *, repeats: int = 12, tied_copy: bool = False):
+    """A saved tiny LLaMA with its character tokenizer under ``root/tiny`` (and ``root/tiny_tied`` with a tied output
+    head, as SmolLM2's), and a learnable corpus under ``root/corpus``: 6 documents of a repeated phrase. Returns root."""
+    models = [("tiny", False)] + ([("tiny_tied", True)] if tied_copy else [])
+    for name, tied in models:
+        build_model(tiny_llama_config(tie_word_embeddings=tied), seed=0).save_pretrained(root / name)
+        make_char_tokenizer().save_pretrained(root / name)
+    (root / "corpus").mkdir()
+    for i in range(6):
+        (root / "corpus" / f"doc{i}.txt").write_text(f"the cat sat on mat {i}. " * repeats)
+    return root

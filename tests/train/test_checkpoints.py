@@ -27,7 +27,7 @@ from rope_patch.errors import ConfigError
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.train.checkpoints import save_checkpoint
 from fault_injection import run_until_killed
-from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
+from tiny_models import write_training_workspace
 
 SEQ_LEN = 96
 
@@ -35,13 +35,7 @@ SEQ_LEN = 96
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A tiny model folder with its tokenizer, and a corpus of 6 short documents."""
-    root = tmp_path_factory.mktemp("checkpoints")
-    build_model(tiny_llama_config(), seed=0).save_pretrained(root / "tiny")
-    make_char_tokenizer().save_pretrained(root / "tiny")
-    (root / "corpus").mkdir()
-    for i in range(6):
-        (root / "corpus" / f"doc{i}.txt").write_text(f"the cat sat on mat {i}. " * 12)
-    return root
+    return write_training_workspace(tmp_path_factory.mktemp("checkpoints"))
 
 
 def options(workspace: Path, output: Path, **overrides) -> dict:

@@ -24,7 +24,7 @@ from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.loading import load_adapter_checkpoint
 from rope_patch.data import pose_batch
 from rope_patch.train.loop import lr_factor, micro_batch_loss
-from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
+from tiny_models import build_model, tiny_llama_config, write_training_workspace
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 96  # beyond the tiny model's native 64: training happens at the extended length
@@ -34,14 +34,7 @@ PROBE = torch.arange(4, 4 + 120).remainder(100).unsqueeze(0) + 4  # (1, 120) tok
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A tiny model folder with a tokenizer, and a learnable corpus: 6 documents of a repeated phrase."""
-    root = tmp_path_factory.mktemp("finetune")
-    for name, tied in (("tiny", False), ("tiny_tied", True)):  # LLaMA 7B unties its output head, SmolLM2 ties it
-        build_model(tiny_llama_config(tie_word_embeddings=tied), seed=0).save_pretrained(root / name)
-        make_char_tokenizer().save_pretrained(root / name)
-    (root / "corpus").mkdir()
-    for i in range(6):
-        (root / "corpus" / f"doc{i}.txt").write_text(f"the cat sat on mat {i}. " * 12)
-    return root
+    return write_training_workspace(tmp_path_factory.mktemp("finetune"), tied_copy=True)
 
 
 def options(workspace: Path, output: Path, **overrides) -> dict:

@@ -21,7 +21,7 @@ from rope_patch.cli import main as cli_main
 from rope_patch.errors import ConfigError, MissingExtraError
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.train.sequence_parallel import SequenceLayout, check_sequence_parallel, require_ulysses
-from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
+from tiny_models import build_model, tiny_llama_config, write_training_workspace
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 256  # four times the tiny model's native 64
@@ -31,13 +31,7 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra (pip install 'rope-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A tiny LLaMA (4 heads, 2 key/value heads) with a tokenizer, and 6 documents: 6 sequences of 256 tokens."""
-    root = tmp_path_factory.mktemp("sequence_parallel")
-    build_model(tiny_llama_config(), seed=0).save_pretrained(root / "tiny")
-    make_char_tokenizer().save_pretrained(root / "tiny")
-    (root / "corpus").mkdir()
-    for i in range(6):
-        (root / "corpus" / f"doc{i}.txt").write_text(f"the cat sat on mat {i}. " * 12)
-    return root
+    return write_training_workspace(tmp_path_factory.mktemp("sequence_parallel"))
 
 
 def options(workspace: Path, output: Path, **overrides) -> dict:

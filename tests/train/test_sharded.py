@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rope_patch.jobs.finetune import finetune
-from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
+from tiny_models import write_training_workspace
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = torch.arange(4, 4 + 120).remainder(100).unsqueeze(0) + 4  # (1, 120) token ids past the native length 64
@@ -36,13 +36,7 @@ TIMEOUT = 420  # seconds per launch, DeepSpeed's first op build included
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A tiny LLaMA with a tokenizer, and 6 documents: 16 sequences of 96 tokens."""
-    root = tmp_path_factory.mktemp("sharded")
-    build_model(tiny_llama_config(), seed=0).save_pretrained(root / "tiny")
-    make_char_tokenizer().save_pretrained(root / "tiny")
-    (root / "corpus").mkdir()
-    for i in range(6):
-        (root / "corpus" / f"doc{i}.txt").write_text(f"the cat sat on mat {i}. " * 12)
-    return root
+    return write_training_workspace(tmp_path_factory.mktemp("sharded"))
 
 
 def options(workspace: Path, output: Path, **overrides) -> dict:
