@@ -42,13 +42,17 @@ class ExportConfig(JobConfig):
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
 
     def validate(self) -> None:
+        if self.method != AS_LOADED:
+            parse_method_spec(self.method)
+        if self.output is not None:
+            check_output(Path(self.output))
+
+    def check_required(self) -> None:
+        """The two options without a default, checked when the job runs (so the bare config stays constructible)."""
         if self.engine is None:
             raise ConfigError(f"export: give --engine, one of {', '.join(ENGINES)}")
         if self.output is None:
             raise ConfigError("export: give --output DIR, the folder to write")
-        if self.method != AS_LOADED:
-            parse_method_spec(self.method)
-        check_output(Path(self.output))
 
 
 @dataclass
@@ -82,6 +86,7 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     folder atomically (a temporary sibling renamed into place: an interrupted export leaves no half folder)."""
     options, loaded = split_loaded(options)
     config = ExportConfig.from_options(config, **options)
+    config.check_required()
     if loaded is None:
         loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
                               native_length=config.native_length)

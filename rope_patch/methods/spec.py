@@ -63,9 +63,14 @@ def split_combination(spec: str) -> list[tuple[str, dict[str, Any]]]:
 Part = tuple[str, dict[str, Any]]
 
 
-def frequency_and_attention(method: str, params: Mapping[str, Any] | None = None) -> tuple[Part | None, Part | None]:
-    """The frequency part and the attention part of a method (name + keyword params, a spec, or a combination);
-    None where there is none."""
+def frequency_and_attention(method: str | Mapping[str, Any],
+                            params: Mapping[str, Any] | None = None) -> tuple[Part | None, Part | None]:
+    """The frequency part and the attention part of a method (name + keyword params, a spec in either form, or a
+    combination); None where there is none."""
+    if isinstance(method, Mapping):  # {"name": "yarn", "factor": 2}, as a YAML list of methods may hold it
+        if params:
+            raise InvalidParameterError(f"{method}: give the parameters in the spec or as keywords, not both")
+        method, params = parse_method_spec(method)
     params = dict(params or {})
     if not (COMBINE.search(method) or ":" in method or method.strip().startswith(SPEC_FILE)):
         parts = [(method, params)]
