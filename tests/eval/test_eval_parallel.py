@@ -16,7 +16,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-from tiny_models import write_training_workspace
+from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
 from rope_patch.cli import main
 from rope_patch.errors import ConfigError
@@ -32,7 +32,13 @@ needs_deepspeed = pytest.mark.skipif(find_spec("deepspeed") is None,
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    return write_training_workspace(tmp_path_factory.mktemp("eval_sequence_parallel"), repeats=10)
+    root = tmp_path_factory.mktemp("eval_sequence_parallel")
+    build_model(tiny_llama_config(), seed=0).save_pretrained(root / "tiny")
+    make_char_tokenizer(add_bos=True).save_pretrained(root / "tiny")
+    (root / "corpus").mkdir()
+    for i in range(2):
+        (root / "corpus" / f"doc{i}.txt").write_text(f"the cat sat on mat {i}. " * 10)
+    return root
 
 
 def options(workspace: Path, **overrides) -> dict:
