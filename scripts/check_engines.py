@@ -1,60 +1,90 @@
 """Check a serving engine's own numbers against rope_patch's patched transformers forward.
 
-For each method: patch the embedded SmolLM2-135M (fp32), export it for the engine with `rope-patch export`'s writer,
-and compare per-token log-probabilities of one embedded-corpus document (default: the first 12,288 tokens of
-argparse.py, past the native 8,192) between the engine and rope_patch. Tolerance: fp32 throughout (weights, KV
-cache, RoPE), so the two differ by summation order and the fp32 rounding of angles at long positions only: 1e-3
-absolute per token at most is the bar; worst and mean are reported. Each engine is one function returning per-token
-log-probabilities (``ENGINE_LOGPROBS``); results go to OUTPUT/<engine>.json as each method finishes (a rerun skips
-finished methods).
+For each method: patch the embedded SmolLM2-135M (fp32), hand the method to the engine the way `rope-patch export`
+does (llama.cpp: the f32 GGUF file; vLLM: the model folder with the method's ``hf_overrides``), and compare per-token
+log-probabilities of one embedded-corpus document (default: the first 12,288 tokens of argparse.py, past the native
+8,192) between the engine and rope_patch. fp32 throughout (weights, KV cache, RoPE), so the two differ by summation
+order and by the fp32 rounding of the rotary angles only; the bar is 1e-3 absolute on the worst token (why:
+docs/vllm.md) and the worst and the mean are reported.
+
+Per-token log-probabilities are kept as ``OUTPUT/<method>.<document>.<length>.rope_patch.npy`` (shared by the engines)
+and ``OUTPUT/<engine>/<method>.<document>.<length>.<engine>.npy``, written atomically and reused on a rerun, so an
+interrupted check resumes; each row goes to ``OUTPUT/<engine>/summary.json``. vLLM pins an older
+transformers, so it runs in .venv-vllm (``make vllm-env``) as a subprocess of this script (``--engine-side JOB``).
+
+Rotary angles are fp32 on every side, and each side rounds them its own way: past a few thousand positions each
+side's rounding reaches several 1e-4 rad (half an ulp of 7,000 rad is 2.4e-4 rad), two formulas differ by up to
+twice that, and that moves a sensitive token's log-probability by about 1e-3. So the rope_patch side computes the angles the engine computes (``--angles engine``,
+the default, on which the check passes or fails): vLLM's rotary cache is transformers' formula; llama.cpp's is its
+own, computed here from the exported GGUF's keys and tensors in its fp32 order (ggml-cpu's ``ggml_rope_cache_init``
+and ``rope_yarn``: the angle of pair i is the position times θ^i by repeated fp32 multiplication, then YaRN's ramp and
+temperature). That the GGUF's keys give the patched model's cos/sin is tested apart, in float64
+(tests/export/test_gguf.py). ``--angles transformers`` (the patched model as it runs) and ``fp64`` (position ×
+frequency and cos/sin in float64) diagnose a disagreement; they never fail the check.
 
     python scripts/check_engines.py --engine llama.cpp
-    python scripts/check_engines.py --engine llama.cpp --methods yarn:factor=2 --length 4096
-    python scripts/check_engines.py --engine vllm       # vLLM in .venv-vllm (make vllm-env), as a subprocess
+    python scripts/check_engines.py --engine vllm
+    python scripts/check_engines.py --engine llama.cpp --methods yarn:factor=2 --angles transformers
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
+import os
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-import rope_patch
-from rope_patch.data.documents import stdlib_corpus
-from rope_patch.data.tokens import tokenize_documents
-from rope_patch.export import serving_settings
-from rope_patch.export.gguf import write_gguf
-from rope_patch.loss import OutputHead, final_hidden_states, token_nll
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout's rope_patch, also under .venv-vllm's interpreter
+
+import rope_patch  # noqa: E402
+from rope_patch.data.documents import stdlib_corpus  # noqa: E402
+from rope_patch.data.tokens import tokenize_documents  # noqa: E402
+from rope_patch.eval.plots import file_stem  # noqa: E402
+from rope_patch.eval.vllm_engine import FP32_WORST_TOLERANCE, compare_logprobs, reference_logprobs  # noqa: E402
+from rope_patch.export import serving_settings  # noqa: E402
+from rope_patch.export.gguf import write_gguf  # noqa: E402
+from rope_patch.loading import default_model_dir  # noqa: E402
+from rope_patch.patching.rotary import find_rotary_modules  # noqa: E402
 
 METHODS = ["yarn:factor=2", "@configs/search/smollm2_16k_best.json", "linear:factor=2", "llama3:factor=2"]
-TOLERANCE = 1e-3  # absolute, per token, on log-probabilities
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "7200",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
 
 
-def rope_patch_logprobs(model, ids: list[int]) -> np.ndarray:
-    """log p(token i | tokens < i) for i ≥ 1 from the patched transformers forward (fp32) [N-1]."""
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        hidden = final_hidden_states(model, input_ids)[0, :-1]  # [N-1, H]
-        nll = token_nll(OutputHead.of(model), hidden, input_ids[0, 1:])
-    return (-nll).numpy().astype(np.float64)
+def save_array(path: Path, values: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npy")
+    np.save(tmp, values)
+    os.replace(tmp, path)
 
 
-def llama_cpp_logprobs(model, tokenizer, ids: list[int], work: Path, longrope_short_equals_long: bool) -> np.ndarray:
-    """The same from llama.cpp (llama-cpp-python) on the f32 GGUF rope_patch exports, f32 KV cache [N-1]."""
+def write_json(path: Path, value) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def llama_cpp_logprobs(model, tokenizer, ids: list[int], work: Path) -> np.ndarray:
+    """log p(token i | tokens < i), i = 1 … N−1, from llama.cpp (llama-cpp-python) on the f32 GGUF rope_patch
+    exports, with an f32 KV cache and every position's logits [N-1]."""
     from llama_cpp import Llama  # the engines extra: pip install "rope-patch[engines]"
 
     path = work / "model.gguf"
-    write_gguf(model, tokenizer, path, dtype="f32", longrope_short_equals_long=longrope_short_equals_long)
-    llm = Llama(model_path=str(path), n_ctx=len(ids), n_batch=512, n_ubatch=512, logits_all=True, type_k=0, type_v=0,
-                verbose=False)
+    write_gguf(model, tokenizer, path, dtype="f32", longrope_short_equals_long=True)
+    llm = Llama(model_path=str(path), n_ctx=len(ids), n_batch=512, n_ubatch=512, logits_all=True,
+                type_k=0, type_v=0, verbose=False)  # type 0: GGML_TYPE_F32
     llm.eval(ids)
-    out = np.empty(len(ids) - 1)  # logits of position i (llm.scores[i], [V]) predict token i + 1
+    out = np.empty(len(ids) - 1)  # the logits of position i (llm.scores[i], [V]) predict token i + 1
     for start in range(0, len(ids) - 1, 1024):
         rows = np.asarray(llm.scores[start : min(start + 1024, len(ids) - 1)], dtype=np.float64)  # [n, V]
         shifted = rows - rows.max(axis=1, keepdims=True)
@@ -65,30 +95,133 @@ def llama_cpp_logprobs(model, tokenizer, ids: list[int], work: Path, longrope_sh
     return out
 
 
-def vllm_logprobs(model, tokenizer, ids: list[int], work: Path, longrope_short_equals_long: bool) -> np.ndarray:
-    """The same from vLLM's ``prompt_logprobs`` (vllm-cpu in .venv-vllm, fp32) on the unpatched folder with the
-    method's ``hf_overrides``; vLLM pins an older transformers, so it runs as a subprocess of that environment
-    (scripts/check_engines_vllm.py --engine-side), exchanging the ids and log-probabilities through JSON files [N-1]."""
-    import os
-    import subprocess
-
-    from rope_patch.loading import default_model_dir
-
-    python = Path(".venv-vllm/bin/python")
+def vllm_logprobs(model, tokenizer, ids: list[int], work: Path, *, vllm_python: str = ".venv-vllm/bin/python",
+                  load: str = "overrides") -> np.ndarray:
+    """The same from vLLM's ``prompt_logprobs`` (vllm-cpu in .venv-vllm, fp32, eager) [N-1]. ``load``: ``overrides``
+    serves the unpatched model folder with the method's ``hf_overrides`` (what ``lm-eval --engine vllm`` does);
+    ``exported`` serves the folder ``rope-patch export --engine vllm`` writes, as is (what ``vllm serve DIR`` does).
+    LongRoPE goes with short = long: vLLM picks one list for every sequence."""
+    python = Path(vllm_python)
     if not python.is_file():
-        sys.exit("check_engines: .venv-vllm is missing: run 'make vllm-env' first")
-    settings = serving_settings(model, "vllm", longrope_short_equals_long=longrope_short_equals_long)
+        sys.exit(f"check_engines: {python} is missing: run 'make vllm-env' first")
+    if load == "exported":
+        exported = rope_patch.run_export(model=model, tokenizer=tokenizer, engine="vllm", output=str(work / "export"),
+                                         longrope_short_equals_long=True)
+        folder, overrides = str(exported.folder), {}
+    else:
+        settings = serving_settings(model, "vllm", longrope_short_equals_long=True)
+        folder, overrides = str(default_model_dir()), settings.overrides
     job, result = work / "vllm_job.json", work / "vllm_result.json"
     result.unlink(missing_ok=True)
-    job.write_text(json.dumps({"folder": str(default_model_dir()), "overrides": settings.overrides, "ids": ids,
-                               "max_model_len": len(ids) + 16, "result": str(result)}))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "7200"}
-    subprocess.run([str(python), str(Path(__file__).with_name("check_engines_vllm.py")), "--engine-side", str(job)],
-                   check=True, env=env)
-    return np.asarray(json.loads(result.read_text())["logprobs"], dtype=np.float64)
+    write_json(job, {"folder": folder, "overrides": overrides, "ids": ids, "max_model_len": len(ids) + 16,
+                     "result": str(result)})
+    subprocess.run([str(python), __file__, "--engine-side", str(job)], check=True, env={**os.environ, **VLLM_ENV})
+    answer = json.loads(result.read_text())
+    print(f"vLLM {answer['vllm']}: start-up {answer['start_seconds']:.0f} s, scoring {answer['score_seconds']:.0f} s")
+    return np.asarray(answer["logprobs"], dtype=np.float64)
 
 
-ENGINE_LOGPROBS = {"llama.cpp": llama_cpp_logprobs, "vllm": vllm_logprobs}
+def vllm_engine_side(job_file: Path) -> None:
+    """In .venv-vllm: vLLM's log-probabilities of the job's token ids under its overrides, to the job's result file."""
+    import vllm
+
+    from rope_patch.eval.vllm_engine import engine_logprobs, start_llm
+
+    job = json.loads(job_file.read_text())
+    start = time.perf_counter()
+    llm = start_llm(job["folder"], overrides=job["overrides"], max_model_len=job["max_model_len"], dtype="float32")
+    started = time.perf_counter() - start
+    logprobs = engine_logprobs(llm, job["ids"])
+    write_json(Path(job["result"]), {"logprobs": logprobs, "vllm": vllm.__version__, "start_seconds": started,
+                                     "score_seconds": time.perf_counter() - start - started})
+
+
+ENGINE_LOGPROBS: dict[str, Callable] = {"llama.cpp": llama_cpp_logprobs, "vllm": vllm_logprobs}
+
+
+def fp64_angles(model, rotary, positions: torch.Tensor, work: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, d/2] from the module's fp32 frequencies, position × frequency and cos/sin in float64."""
+    rotary(torch.zeros(1), positions[None])  # the patch writes the method's frequencies in on a forward
+    angles = positions.double()[:, None] * rotary.inv_freq.double()[None]  # [T, d/2]
+    return torch.cos(angles) * rotary.attention_scaling, torch.sin(angles) * rotary.attention_scaling
+
+
+def llama_cpp_angles(model, rotary, positions: torch.Tensor, work: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, d/2] as llama.cpp computes them from the exported GGUF's keys and tensors, in fp32 and in its order
+    (llama-model.cpp's key reading, llama-context.cpp's cparams, ggml-cpu's ggml_rope_cache_init, rope_yarn and
+    ggml_rope_yarn_corr_dims), for the llama architecture's normal rope."""
+    import gguf
+
+    path = work / "angles.gguf"
+    write_gguf(model, None, path, dtype="f32", longrope_short_equals_long=True, tokenizer_fields=[])
+    reader = gguf.GGUFReader(path)
+    fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors if "rope" in t.name}
+    del reader
+    path.unlink()
+    f32 = np.float32
+    d, base = int(fields["llama.rope.dimension_count"]), f32(fields["llama.rope.freq_base"])
+    kind = fields.get("llama.rope.scaling.type", "none")
+    factor = f32(fields.get("llama.rope.scaling.factor", 0.0))
+    freq_scale = f32(1.0) if kind == "none" or factor == 0 else f32(1.0) / factor
+    n_orig = int(fields.get("llama.rope.scaling.original_context_length", fields["llama.context_length"]))
+    ext_factor = f32(1.0 if kind == "yarn" else 0.0)
+    attn_factor = f32(fields.get("llama.rope.scaling.attn_factor", 1.0))
+    if kind == "longrope":
+        ff = tensors["rope_factors_long.weight"] if len(positions) > n_orig else tensors["rope_factors_short.weight"]
+    else:
+        ff = tensors.get("rope_freqs.weight", np.ones(d // 2, dtype=f32))
+
+    def corr_dim(rotations: float) -> float:
+        return d * math.log(n_orig / (rotations * 2 * math.pi)) / (2 * math.log(float(base)))
+
+    low = f32(max(0.0, math.floor(corr_dim(32.0))))
+    high = f32(min(d - 1.0, math.ceil(corr_dim(1.0))))
+    theta_scale = np.power(base, f32(-2.0) / f32(d), dtype=f32)
+    theta = positions.numpy().astype(f32)  # [T]: theta_base = (float) pos
+    cos, sin = np.empty((len(theta), d // 2), f32), np.empty((len(theta), d // 2), f32)
+    for i in range(d // 2):
+        theta_extrap = theta / ff[i]
+        theta_interp = freq_scale * theta_extrap
+        mscale = attn_factor
+        angle = theta_interp
+        if ext_factor != 0:
+            y = (f32(i) - low) / max(f32(0.001), high - low)  # rope_yarn_ramp(low, high, i0 = 2i): i0 / 2 − low
+            ramp_mix = (f32(1) - min(f32(1), max(f32(0), y))) * ext_factor
+            angle = theta_interp * (f32(1) - ramp_mix) + theta_extrap * ramp_mix
+            mscale = mscale * (f32(1) + f32(0.1) * np.log(f32(1) / freq_scale, dtype=f32))
+        cos[:, i], sin[:, i] = np.cos(angle) * mscale, np.sin(angle) * mscale
+        theta = theta * theta_scale
+    return torch.from_numpy(cos), torch.from_numpy(sin)
+
+
+ANGLES = {"fp64": fp64_angles, "llama.cpp": llama_cpp_angles}
+# The angles each engine computes: vLLM's rotary cache is transformers' formula (fp32 frequencies, then position ×
+# frequency rounded once); llama.cpp's is its own (above).
+ENGINE_ANGLES = {"llama.cpp": "llama.cpp", "vllm": "transformers"}
+
+
+@contextlib.contextmanager
+def rotary_angles(model, kind: str, n_positions: int, work: Path) -> Iterator[None]:
+    """The model's rotary module returns cos/sin from ``ANGLES[kind]`` while inside (transformers' half-split layout:
+    pair i at dims i and i + d/2)."""
+    ((_, rotary),) = find_rotary_modules(model)
+    positions = torch.arange(n_positions)
+    cos, sin = (torch.cat([t, t], dim=-1).float() for t in ANGLES[kind](model, rotary, positions, work))  # [T, d]
+
+    def forward(x, position_ids):  # [B, T] → cos, sin [B, T, d]
+        return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
+
+    had = "forward" in vars(rotary)
+    saved = vars(rotary).get("forward")
+    rotary.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            rotary.forward = saved
+        else:
+            del rotary.forward
 
 
 def document_ids(tokenizer, name: str, length: int) -> list[int]:
@@ -101,52 +234,77 @@ def document_ids(tokenizer, name: str, length: int) -> list[int]:
     return [int(t) for t in tokens.ids[:length]]
 
 
-def main() -> None:
+def cached(path: Path, compute: Callable[[], np.ndarray]) -> tuple[np.ndarray, float]:
+    """The array at ``path``, or computed and saved there; with the seconds it took (0 when read)."""
+    if path.is_file():
+        return np.load(path), 0.0
+    start = time.perf_counter()
+    values = np.asarray(compute(), dtype=np.float64)
+    save_array(path, values)
+    return values, time.perf_counter() - start
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=sorted(ENGINE_LOGPROBS), required=True)
+    parser.add_argument("--engine", choices=sorted(ENGINE_LOGPROBS), required="--engine-side" not in sys.argv)
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--length", type=int, default=12288)
     parser.add_argument("--document", default="argparse.py")
+    parser.add_argument("--angles", choices=["engine", "transformers", *ANGLES], default="engine",
+                        help="rotary angles of the rope_patch side: the engine's own arithmetic (default; the check "
+                             "passes or fails on it), or another, for a diagnosis (see the module's docstring)")
     parser.add_argument("--output", default="runs/check_engines")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    parser.add_argument("--vllm-load", choices=["overrides", "exported"], default="overrides",
+                        help="vLLM serves the original folder with the method's hf_overrides (lm-eval --engine vllm's "
+                             "way), or the folder rope-patch export writes, as is (vllm serve DIR's way)")
+    parser.add_argument("--engine-side", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
-    results_path = output / f"{args.engine.replace('.', '_')}.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if args.engine_side:
+        vllm_engine_side(args.engine_side)
+        return 0
+    angles = ENGINE_ANGLES[args.engine] if args.angles == "engine" else args.angles
+    work = Path(args.output) / args.engine.replace(".", "_")
+    work.mkdir(parents=True, exist_ok=True)
+    summary_path = work / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     model, tokenizer = rope_patch.load_default_model(dtype="fp32", device="cpu")
     ids = document_ids(tokenizer, args.document, args.length)
+    engine_logprobs, engine_side = ENGINE_LOGPROBS[args.engine], args.engine
+    if args.engine == "vllm":
+        engine_logprobs = functools.partial(vllm_logprobs, vllm_python=args.vllm_python, load=args.vllm_load)
+        engine_side += "-exported" if args.vllm_load == "exported" else ""
+    ok = True
     for spec in args.methods:
-        key = f"{spec}@{args.document}:{args.length}"
-        if key in results:
-            print(json.dumps(results[key]))
-            continue
         name, params = rope_patch.parse_method_spec(spec)
-        rope_patch.patch(model, name, **params)
-        flag = name == "longrope"  # the engines serve LongRoPE's long list at every length: same as rope_patch here
-        serving_settings(model, args.engine, longrope_short_equals_long=flag)  # refused methods stop here
-        start = time.time()
-        cached = output / (key.replace("/", "_").replace("@", "").replace(":", "_") + ".rope_patch.npy")
-        if cached.is_file():  # rope_patch's side of an earlier run that the engine did not finish
-            ours = np.load(cached)
-        else:
-            ours = rope_patch_logprobs(model, ids)
-            np.save(cached.with_suffix(".tmp.npy"), ours)
-            cached.with_suffix(".tmp.npy").replace(cached)
-        ours_s = time.time() - start
-        engine = ENGINE_LOGPROBS[args.engine](model, tokenizer, ids, output, flag)
-        diff = np.abs(engine - ours)
-        row = {"method": spec, "engine": args.engine, "tokens": args.length, "document": args.document,
-               "ppl_rope_patch": math.exp(-ours.mean()), "ppl_engine": math.exp(-engine.mean()),
-               "max_abs_dlogp": float(diff.max()), "mean_abs_dlogp": float(diff.mean()),
-               "worst_token": int(diff.argmax()) + 1, "within_tolerance": bool(diff.max() <= TOLERANCE),
-               "seconds_rope_patch": round(ours_s, 1), "seconds_engine": round(time.time() - start - ours_s, 1)}
-        results[key] = row
-        tmp = results_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1))
-        tmp.replace(results_path)
-        print(json.dumps(row), flush=True)
-        rope_patch.unpatch(model)
+        with rope_patch.patched(model, name, **params):
+            serving_settings(model, args.engine, longrope_short_equals_long=True)  # refused methods stop here
+            stem = f"{file_stem(spec.lstrip('@'))}.{args.document}.{args.length}"
+            side = "rope_patch" if angles == "transformers" else f"rope_patch-{angles}-angles"
+            with (rotary_angles(model, angles, len(ids), work) if angles != "transformers"
+                  else contextlib.nullcontext()):
+                ours, ours_s = cached(work.parent / f"{stem}.{side}.npy", lambda: reference_logprobs(model, ids))
+            engine, engine_s = cached(work / f"{stem}.{engine_side}.npy",
+                                      lambda: engine_logprobs(model, tokenizer, ids, work))
+            # how far these angles alone move rope_patch's own forward from the patched model as it runs
+            plain = cached(work.parent / f"{stem}.rope_patch.npy", lambda: reference_logprobs(model, ids))[0]
+        shift = compare_logprobs(plain.tolist(), ours.tolist())
+        agreement = compare_logprobs(ours.tolist(), engine.tolist())
+        within = agreement.worst <= FP32_WORST_TOLERANCE
+        ok &= within or angles != ENGINE_ANGLES[args.engine]  # other angles diagnose, they do not fail the check
+        row = {"method": spec, "engine": engine_side, "document": args.document, "rope_patch_angles": angles,
+               **agreement.as_dict(), "within_tolerance": within, "seconds_rope_patch": round(ours_s, 1),
+               "seconds_engine": round(engine_s, 1),
+               "angles_shift": {k: getattr(shift, k) for k in ("worst", "worst_at", "mean")}}
+        summary[f"{spec}@{args.document}:{args.length}:{engine_side}:{angles}"] = row
+        write_json(summary_path, summary)
+        print(f"{engine_side} against rope_patch ({angles} angles), {spec}: {agreement}"
+              f"{'' if within else ' -> OVER TOLERANCE'}", flush=True)
+        if angles != "transformers":
+            print(f"  these angles alone move rope_patch's forward by |Δ log p| worst {shift.worst:.2e} (token "
+                  f"{shift.worst_at:,}), mean {shift.mean:.2e}", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .files import atomic_write
+from ..files import atomic_write
 from .plots import length_axis, new_figure, save_figure, write_csv
 
 SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples", "max_length")

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .files import atomic_write
+from ..files import atomic_write
 from .plots import file_stem, length_axis, new_figure, save_figure, write_csv
 
 CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy")

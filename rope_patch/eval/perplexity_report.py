@@ -17,7 +17,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from .perplexity import EvalFailure
 from .windows import bootstrap_interval, describe_protocol, perplexity
-from .files import atomic_write
+from ..files import atomic_write
 from .plots import length_axis, new_figure, save_figure, write_csv
 from .sweep import MethodEntry
 

@@ -16,7 +16,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter, NullLocator
 
-from .files import atomic_write
+from ..files import atomic_write
 
 MAX_STEM = 120  # longer file stems are shortened with a hash
 

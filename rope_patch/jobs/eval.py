@@ -18,7 +18,7 @@ from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate
 from ..eval.window_loss import check_chunked_loss
 from ..eval.windows import PROTOCOLS, Protocol
 from ..eval.perplexity_report import format_table, summarize, write_reports
-from ..eval.files import output_folder
+from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.store import open_store
 from ..eval.sweep import AS_LOADED, method_entries

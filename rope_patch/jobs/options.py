@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import yaml
 
 from ..errors import ConfigError
-from ..eval.files import atomic_write
+from ..files import atomic_write
 from ..methods.values import parse_bool, parse_number
 
 

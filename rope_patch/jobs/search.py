@@ -29,7 +29,7 @@ from ..eval.window_loss import check_chunked_loss
 from ..eval.windows import Protocol
 from ..eval.search import CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, transformers_snippet
 from ..eval.search_report import format_table, write_reports
-from ..eval.files import atomic_write, output_folder
+from ..files import atomic_write, output_folder
 from ..eval.store import open_store
 from ..eval.sweep import model_setup
 from ..methods.evolution import (LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import re
@@ -26,10 +25,10 @@ import torch
 from accelerate.utils import DistributedType
 
 from ..errors import ConfigError, DiskFullError
+from ..files import FolderLock, sync_folder
 
 MARKER = "checkpoint.json"  # the key, the step and the file sizes: written last, so its presence means complete
 STEP_FOLDER = re.compile(r"step-(\d+)")
-LOCK = ".finetune.lock"
 HIDDEN_PREFIXES = (".tmp-step-", ".old-step-")  # a save in progress, a checkpoint being deleted
 
 
@@ -144,47 +143,18 @@ def resume_checkpoint(resume: str, output: Path, key: dict[str, Any], *, notes: 
 
 @contextlib.contextmanager
 def output_lock(output: Path, *, main_process: bool = True) -> Iterator[None]:
-    """One fine-tune at a time in an output folder (an advisory ``flock``, released by the system when the process
-    dies, ``kill -9`` included). Under the lock, temporary folders left by a killed save are removed."""
+    """One fine-tune at a time in an output folder (the folder lock every job takes, refusing instead of waiting:
+    released by the system when the process dies, ``kill -9`` included). Under the lock, temporary folders left by a
+    killed save are removed."""
     if not main_process:
         yield
         return
-    output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"--output {output} is a file; name a folder")
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        handle = open(output / LOCK, "a+")
-    except OSError as error:
-        raise ConfigError(f"cannot write into --output {output} ({error.strerror}); choose another folder") from None
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked = True
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise ConfigError(f"{output} is in use by another fine-tune ({holder}); wait for it to end, or choose "
-                              "another --output") from None
-        except OSError as error:  # a file system without flock (some network mounts)
-            locked = False
-            print(f"rope-patch finetune: cannot lock {output} ({error.strerror}): nothing keeps a second fine-tune "
-                  "out of it", file=sys.stderr)
-        if locked:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-            handle.flush()
-            root = checkpoints_root(output)
-            for leftover in root.glob(".*-step-*") if root.is_dir() else ():
-                if leftover.name.startswith(HIDDEN_PREFIXES):  # left by a killed run: only one run holds the lock
-                    shutil.rmtree(leftover, ignore_errors=True)
-        try:
-            yield
-        finally:
-            if locked:
-                handle.seek(0)
-                handle.truncate()
+    with FolderLock(output, job="rope-patch finetune", wait=False) as lock:
+        root = checkpoints_root(Path(output))
+        for leftover in root.glob(".*-step-*") if lock.locked and root.is_dir() else ():
+            if leftover.name.startswith(HIDDEN_PREFIXES):  # left by a killed run: only one run holds the lock
+                shutil.rmtree(leftover, ignore_errors=True)
+        yield
 
 
 def folder_bytes(folder: Path) -> int:
@@ -207,7 +177,7 @@ def state_bytes(accelerator) -> int:
     return total
 
 
-def sync_folder(folder: Path) -> dict[str, int]:
+def sync_files(folder: Path) -> dict[str, int]:
     """fsync every file under ``folder`` and the folder itself; returns each file's size (relative names)."""
     sizes: dict[str, int] = {}
     for path in sorted(folder.rglob("*")):
@@ -215,16 +185,8 @@ def sync_folder(folder: Path) -> dict[str, int]:
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
             sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
-    sync_directory(folder)
+    sync_folder(folder)
     return sizes
-
-
-def sync_directory(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def disk_full(error: BaseException, folder: Path, needed: int) -> bool:
@@ -251,17 +213,17 @@ def save_checkpoint(accelerator, output: Path, step: int, keep: int, key: dict[s
         accelerator.save_state(str(temporary))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            files = sync_folder(temporary)
+            files = sync_files(temporary)
             marker = {"step": step, "key": as_json(key), "files": files}
             with open(temporary / MARKER, "w") as handle:
                 json.dump(marker, handle, indent=1, sort_keys=True)
                 handle.flush()
                 os.fsync(handle.fileno())
-            sync_directory(temporary)
+            sync_folder(temporary)
             if final.exists():  # this run's own step, saved before by an attempt resumed from an earlier step
                 final.rename(root / f".old-step-{step:06d}")
             temporary.rename(final)
-            sync_directory(root)
+            sync_folder(root)
             shutil.rmtree(root / f".old-step-{step:06d}", ignore_errors=True)
     except BaseException as error:
         if accelerator.is_main_process:

@@ -8,21 +8,18 @@ the launched run shares with it only the documents and the model folder.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from cpu_launch import launch_job
 from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
 from rope_patch.cli import main
 from rope_patch.errors import ConfigError
 from rope_patch.jobs import EvalConfig, run_eval
 
-ROOT = Path(__file__).resolve().parents[2]
 LONGROPE = ("longrope:factor=2,short_factor=[1.0,1.0,1.1,1.2,1.5,2.0,3.0,4.0],"
             "long_factor=[1.0,1.2,1.5,2.0,3.0,4.0,6.0,8.0]")
 METHODS = ["yarn:factor=2", "dynamic_ntk:factor=4", LONGROPE]  # static, dynamic, and factors switched by length
@@ -48,26 +45,7 @@ def options(workspace: Path, **overrides) -> dict:
 
 
 def launch(processes: int, settings: dict) -> subprocess.CompletedProcess:
-    """``accelerate launch`` on CPU processes (gloo), a free port, a bounded time."""
-    flags = []
-    for key, value in settings.items():
-        name = key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(f"--{name}" if value else f"--no-{name}")
-        elif isinstance(value, list):
-            flags += [f"--{name}={v}" for v in value] if key == "method" else [f"--{name}={','.join(map(str, value))}"]
-        else:
-            flags.append(f"--{name}={value}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}",
-               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={port}",
-               "--num_cpu_threads_per_process=1", "-m", "rope_patch", "eval", *flags]
-    env = os.environ | {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=420, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+    return launch_job("eval", settings, processes=processes, timeout=420)
 
 
 def read_records(folder: Path) -> list[dict]:

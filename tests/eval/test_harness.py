@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -334,3 +335,21 @@ def test_length_indexed_metrics_become_rows_per_length():
         "n-samples": {"niah_single_1": {"original": 500, "effective": 4}}}
     assert summarize([record]) == [{"method": "none", "task": "niah_single_1", "metric": "score", "length": 8192,
                                     "value": 0.75, "stderr": None, "samples": 4, "max_length": None}]
+
+
+def test_the_bundled_stdlib_rolling_task_reads_the_embedded_corpus():
+    """configs/lm_eval/tasks/stdlib_rolling.yaml: whole embedded-corpus documents, chosen by --metadata, offline."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from rope_patch.data.documents import stdlib_corpus
+
+    folder = Path(__file__).resolve().parents[2] / "configs" / "lm_eval" / "tasks"
+    corpus = {d.id: d.text for d in stdlib_corpus()}
+    manager = TaskManager(include_path=str(folder), include_defaults=False,
+                          metadata={"documents": ["enum.py", "argparse.py"]})
+    task = get_task_dict(["stdlib_rolling"], manager)["stdlib_rolling"]
+    assert [(d["id"], d["text"]) for d in task.test_docs()] == [(n, corpus[n]) for n in ("enum.py", "argparse.py")]
+    assert task.OUTPUT_TYPE == "loglikelihood_rolling"
+    manager = TaskManager(include_path=str(folder), include_defaults=False, metadata={"documents": ["nope.py"]})
+    with pytest.raises(ValueError, match="no embedded-corpus document 'nope.py'"):
+        get_task_dict(["stdlib_rolling"], manager)

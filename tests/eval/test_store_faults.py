@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import rope_patch.eval.files as files_module
+import rope_patch.files as files_module
 import rope_patch.eval.store as store_module
 from rope_patch.errors import DiskFullError, RopePatchError
-from rope_patch.eval.files import FolderLock, atomic_write
+from rope_patch.files import FolderLock, atomic_write
 from rope_patch.eval.store import ResultStore
 
 FIELDS = ("setup", "method", "length")

@@ -5,6 +5,8 @@ its weights load back in transformers' own GGUF reader with the same logits."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -136,3 +138,22 @@ def test_other_families_are_refused_by_name(tmp_path):
     model = build_model(family_config("mistral"))
     with pytest.raises(EngineUnsupportedError, match="model_type 'mistral'"):
         write_gguf(model, None, tmp_path / "m.gguf", tokenizer_fields=[])
+
+
+@pytest.mark.parametrize("method, params", [s for s in SPECS if s[0] in ("none", "yarn", "llama3", "longrope")],
+                         ids=lambda x: str(x))
+def test_check_engines_computes_llama_cpps_angles_as_llama_cpp_does(tmp_path, method, params):
+    """scripts/check_engines.py gives rope_patch's forward llama.cpp's own fp32 angles (to tell its arithmetic from a
+    wrong export): they are the float64 formulas above, within fp32 rounding."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import check_engines
+
+    model = build_model(tiny_llama_config())
+    rope_patch.patch(model, method, **params)
+    ((_, rotary),) = check_engines.find_rotary_modules(model)
+    length = NATIVE * 4
+    cos, sin = check_engines.llama_cpp_angles(model, rotary, torch.arange(length), tmp_path)  # [T, d/2] fp32
+    write_gguf(model, None, tmp_path / "m.gguf", tokenizer_fields=[], longrope_short_equals_long=True)
+    want_cos, want_sin = llama_cpp_cos_sin(*read(tmp_path / "m.gguf"), np.arange(length, dtype=np.float64), length)
+    np.testing.assert_allclose(cos.numpy(), want_cos, atol=1e-5)
+    np.testing.assert_allclose(sin.numpy(), want_sin, atol=1e-5)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import rope_patch
+from rope_patch.eval.vllm_engine import reference_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow,
@@ -32,7 +33,7 @@ def test_llama_cpp_log_probabilities_equal_rope_patch(checker, tmp_path, spec):
     ids = checker.document_ids(tokenizer, "argparse.py", 8192 + 512)
     name, params = rope_patch.parse_method_spec(spec)
     rope_patch.patch(model, name, **params)
-    ours = checker.rope_patch_logprobs(model, ids)
-    engine = checker.llama_cpp_logprobs(model, tokenizer, ids, tmp_path, name == "longrope")
+    ours = np.asarray(reference_logprobs(model, ids))
+    engine = checker.llama_cpp_logprobs(model, tokenizer, ids, tmp_path)
     assert np.abs(engine - ours).max() <= TOLERANCE
     assert abs(np.exp(-engine.mean()) / np.exp(-ours.mean()) - 1) < 1e-4

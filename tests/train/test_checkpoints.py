@@ -24,6 +24,7 @@ import rope_patch.train.loop as loop
 from rope_patch.cli import main as cli_main
 from rope_patch.cli import with_resume
 from rope_patch.errors import ConfigError
+from rope_patch.files import LOCK_NAME
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.train.checkpoints import save_checkpoint
 from fault_injection import run_until_killed
@@ -94,9 +95,11 @@ def test_a_second_fine_tune_on_a_folder_in_use_is_refused(workspace, tmp_path):
     within one process) keeps a second run out, before any work."""
     output = tmp_path / "b"
     output.mkdir()
-    with open(output / ".finetune.lock", "a+") as other:
+    with open(output / LOCK_NAME, "a+") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(ConfigError, match="in use by another fine-tune"):
+        other.write("rope-patch finetune (pid 1 on elsewhere)\n")
+        other.flush()
+        with pytest.raises(ConfigError, match=r"in use by rope-patch finetune \(pid 1 on elsewhere\); wait"):
             finetune(**options(workspace, output))
     assert not (output / "checkpoints").exists()
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +20,7 @@ from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.loading import load_adapter_checkpoint
 from rope_patch.data import pose_batch
 from rope_patch.train.loop import lr_factor, micro_batch_loss
+from cpu_launch import launch_job
 from tiny_models import build_model, tiny_llama_config, write_training_workspace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,24 +198,10 @@ def test_gradient_accumulation_equals_a_larger_batch(workspace, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_cpu_processes_train_like_one_with_the_same_global_batch(workspace, tmp_path):
     single = finetune(**options(workspace, tmp_path / "single", batch_size=2, steps=3))
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options(workspace, tmp_path / "two", steps=3).items()
-             if not isinstance(v, bool)] + ["--no-gradient-checkpointing", "--batch-size=1"]
-    # accelerate's own multi-CPU launcher needs mpirun; its torchrun launcher (--multi_gpu) with ACCELERATE_USE_CPU=1
-    # starts the same gloo process group on a machine without GPUs.
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
-               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={_free_port()}",
-               "--num_cpu_threads_per_process=1", "-m", "rope_patch", "finetune", *flags]
-    env = os.environ | {"ACCELERATE_USE_CPU": "1"}
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
+    settings = {k: v for k, v in options(workspace, tmp_path / "two", steps=3).items() if not isinstance(v, bool)}
+    run = launch_job("finetune", settings | dict(gradient_checkpointing=False, batch_size=1), processes=2, timeout=300)
     assert "global batch 2 x 96 tokens" in run.stdout, run.stdout
     logged = [line for line in run.stdout.splitlines() if line.startswith("step=")]
     assert len(logged) == 3  # printed by the main process only

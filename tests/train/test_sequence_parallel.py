@@ -7,8 +7,6 @@ op the first time it starts on a machine (gcc and ninja; tens of seconds), cache
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +19,9 @@ from rope_patch.cli import main as cli_main
 from rope_patch.errors import ConfigError, MissingExtraError
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.train.sequence_parallel import SequenceLayout, check_sequence_parallel, require_ulysses
+from cpu_launch import launch_job
 from tiny_models import build_model, tiny_llama_config, write_training_workspace
 
-ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 256  # four times the tiny model's native 64
 pytest.importorskip("deepspeed", reason="the deepspeed extra (pip install 'rope-patch[deepspeed]')")
 
@@ -42,21 +40,7 @@ def options(workspace: Path, output: Path, **overrides) -> dict:
 
 
 def launch(processes: int, settings: dict) -> subprocess.CompletedProcess:
-    """``accelerate launch`` on CPU processes (gloo): the torchrun launcher with ACCELERATE_USE_CPU=1."""
-    flags = []
-    for key, value in settings.items():
-        name = key.replace("_", "-")
-        flags += [f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) else [f"--{name}={value}"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}",
-               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={port}",
-               "--num_cpu_threads_per_process=1", "-m", "rope_patch", "finetune", *flags]
-    env = os.environ | {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+    return launch_job("finetune", settings, processes=processes, timeout=600)
 
 
 def assert_same_weights(expected: dict[str, torch.Tensor], folder: Path, rel: float = 1e-5) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +21,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rope_patch.jobs.finetune import finetune
+from cpu_launch import ROOT, cli_flags, free_port, launch_job
 from tiny_models import write_training_workspace
 
-ROOT = Path(__file__).resolve().parents[2]
 PROBE = torch.arange(4, 4 + 120).remainder(100).unsqueeze(0) + 4  # (1, 120) token ids past the native length 64
 NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="the deepspeed extra (pip install 'rope-patch[deepspeed]')")
@@ -45,36 +44,14 @@ def options(workspace: Path, output: Path, **overrides) -> dict:
     return base | overrides
 
 
-def flags(settings: dict) -> list[str]:
-    out = []
-    for key, value in settings.items():
-        name = key.replace("_", "-")
-        out += [f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) else [f"--{name}={value}"]
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def environment(engine: str) -> dict:
-    # FSDP: the CPU launch (gloo) that rope_patch turns back into FSDP2; DeepSpeed: its CPU accelerator (it refuses
-    # use_cpu, and starts gloo itself)
-    extra = {"ACCELERATE_USE_CPU": "1"} if engine == "fsdp" else {"DS_ACCELERATOR": "cpu"}
-    return os.environ | extra | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
 def launch(engine: str, settings: dict, processes: int = 2) -> str:
-    """``accelerate launch --config_file configs/accelerate/<engine>.yaml`` on CPU processes; its stdout."""
-    config = ROOT / "configs" / "accelerate" / f"{engine}.yaml"
-    command = [sys.executable, "-m", "accelerate.commands.launch", f"--config_file={config}",
-               f"--num_processes={processes}", "--mixed_precision=no", f"--main_process_port={free_port()}",
-               "--num_cpu_threads_per_process=1", "-m", "rope_patch", "finetune", *flags(settings)]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT, env=environment(engine))
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+    """``accelerate launch --config_file configs/accelerate/<engine>.yaml`` on CPU processes; its stdout. FSDP: the
+    CPU launch (gloo) that rope_patch turns back into FSDP2; DeepSpeed: its CPU accelerator (it refuses use_cpu, and
+    starts gloo itself)."""
+    fsdp = engine == "fsdp"
+    return launch_job("finetune", settings, processes=processes, timeout=TIMEOUT, use_cpu=fsdp,
+                      config_file=ROOT / "configs" / "accelerate" / f"{engine}.yaml",
+                      env={"OMP_NUM_THREADS": "1", **({} if fsdp else {"DS_ACCELERATOR": "cpu"})}).stdout
 
 
 def assert_same(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
@@ -145,8 +122,8 @@ def test_two_machines_train_like_one_process(workspace, tmp_path, single):
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=rope-patch-test", "-m", "rope_patch", "finetune",
-               *flags(options(workspace, tmp_path / "run"))]
-    env = environment("fsdp")  # plain DDP under torchrun: CPU processes, gloo
+               *cli_flags(options(workspace, tmp_path / "run"))]
+    env = os.environ | {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # DDP: gloo
     nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
              for _ in range(2)]
     try:

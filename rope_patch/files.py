@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import ConfigError, DiskFullError
+from .errors import ConfigError, DiskFullError
 
 try:
     import fcntl
@@ -112,16 +112,24 @@ def atomic_write(path: str | os.PathLike, content: bytes | str | Callable[[Binar
 
 class FolderLock:
     """The writing process's exclusive hold on an output folder, counted within the process (a job's stores and
-    reports in one folder share one hold). ``acquire`` waits for another process holding it, naming it."""
+    reports in one folder share one hold). ``acquire`` waits for another process holding it, naming it; with
+    ``wait=False`` it refuses in one line instead (a second fine-tune must not train into a folder in use).
+    ``locked`` is False where the file system has no ``flock`` (some network mounts): the job goes on, said once."""
 
     _held: dict[tuple[int, Path], list[int]] = {}  # (pid, folder) → [file descriptor, holds] in this process
     _guard = threading.Lock()
 
-    def __init__(self, folder: str | os.PathLike, *, job: str = "rope-patch"):
+    def __init__(self, folder: str | os.PathLike, *, job: str = "rope-patch", wait: bool = True):
         self.folder = Path(folder)
         self.job = job
+        self.wait = wait
         self.holding = False
         self._key: tuple[int, Path] | None = None
+
+    @property
+    def locked(self) -> bool:
+        held = self._held.get(self._key) if self.holding else None
+        return held is not None and held[0] >= 0
 
     def acquire(self) -> FolderLock:
         if self.holding:
@@ -151,9 +159,17 @@ class FolderLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+                if not self.wait:
+                    raise ConfigError(f"{self.folder} is in use by {holder}; wait for it to end, or choose another "
+                                      "--output") from None
                 print(f"{self.job}: {self.folder} is in use by {holder}; waiting for it to finish, then its finished "
                       "results are skipped (Ctrl-C to stop)", file=sys.stderr, flush=True)
                 fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as error:  # a file system without flock (some network mounts)
+                print(f"{self.job}: cannot lock {self.folder} ({error.strerror}): nothing keeps a second run out of "
+                      "it", file=sys.stderr, flush=True)
+                os.close(fd)
+                return -1
             since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
             note = f"{self.job} (pid {os.getpid()} on {socket.gethostname()}, since {since})\n".encode()
             try:  # who holds the folder, for a waiting process's message; a full disk only loses the note
