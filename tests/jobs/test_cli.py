@@ -32,6 +32,9 @@ def test_every_config_loads_with_the_command_its_first_line_names(path):
         assert f"--config_file {relative}" in first
         assert isinstance(yaml.safe_load(path.read_text()), dict)
         return
+    if path.parent.name == "tasks":  # an lm-eval task (tests/eval/test_harness.py loads it through lm-eval)
+        assert f"lm-eval --include-path {path.parent.relative_to(ROOT).as_posix()} --tasks {path.stem}" in first
+        return
     assert f"--config {relative}" in first, f"{relative}: its first line must run this very file"
     verb = words[words.index("rope_patch") + 1] if "rope_patch" in words else words[1]
     config = JOBS[verb].config
