@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,15 @@ from .vllm_engine import (LogprobAgreement, check_agreement, compare_logprobs, e
                           require_vllm, start_llm, stop_llm)
 
 ENGINES = ("hf", "vllm")
+def rolling_window_note(window: int) -> str:
+    """lm-eval's vllm model scores rolling log-likelihood (perplexity tasks) in windows of ``max_length − 2`` tokens
+    (a position for the context token, one for the token it generates), its hf model in windows of ``max_length``:
+    the windows restart elsewhere, so the two engines' perplexities differ at one window (docs/vllm.md)."""
+    return (f"note: lm-eval's vllm model scores rolling log-likelihood in windows of {window - 2:,} tokens, its hf "
+            f"model in windows of {window:,}; to compare a perplexity task with --engine hf, give it --max-length "
+            f"{window - 2}")
+
+
 PROBE_PAST_NATIVE = 256  # probe tokens past the native length: the positions only the method's scaling reaches
 # (the model as patched now, the window) -> (vLLM's hf_overrides, the longest input vLLM can serve under them).
 ServingSettingsFor = Callable[[nn.Module, int], tuple[dict[str, Any], int]]
@@ -110,7 +120,7 @@ class VllmEngine:
         tolerance. ``llm`` is the engine already started for scoring, or None (one is started for the probe)."""
         ids = probe_ids(self.tokenizer, length)
         reference = reference_logprobs(self.model, ids)
-        own = llm if llm is not None else start_llm(self.folder, overrides=overrides, max_model_len=length,
+        own = llm if llm is not None else start_llm(self.folder, overrides=overrides, max_model_len=length + 1,
                                                     dtype=self.dtype, tensor_parallel_size=self.tensor_parallel_size,
                                                     **self.engine_args)
         try:
@@ -123,6 +133,17 @@ class VllmEngine:
     @contextlib.contextmanager
     def serving(self, entry: MethodEntry, windows: Sequence[int | None]) -> Iterator[LmFactory]:
         from lm_eval.models.vllm_causallms import VLLM
+
+        class NotedVLLM(VLLM):
+            """lm-eval's vllm model, saying once that it windows rolling log-likelihood unlike its hf model."""
+
+            noted = False
+
+            def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+                if not NotedVLLM.noted:
+                    NotedVLLM.noted = True
+                    print(rolling_window_note(self.max_length), file=sys.stderr, flush=True)
+                return super().loglikelihood_rolling(requests, disable_tqdm)
 
         sized = [w for w in windows if w is not None]
         if len(sized) != len(windows):
@@ -139,11 +160,11 @@ class VllmEngine:
             if window not in lms:
                 for old in list(lms):  # one engine in memory at a time
                     stop_llm(lms.pop(old).model)
-                lms[window] = VLLM(pretrained=self.folder, max_model_len=window, batch_size=batch_size,
-                                   data_parallel_size=self.data_parallel_size, **self._args(overrides))
+                lms[window] = NotedVLLM(pretrained=self.folder, max_model_len=window, batch_size=batch_size,
+                                        data_parallel_size=self.data_parallel_size, **self._args(overrides))
                 if self.agreement is None:
                     llm = lms[window].model if self.data_parallel_size == 1 else None
-                    self.check_probe(entry, overrides, min(probe, window), llm)
+                    self.check_probe(entry, overrides, min(probe, window - 1), llm)  # + the token it generates
             return lms[window]
 
         self.agreement = None

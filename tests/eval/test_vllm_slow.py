@@ -34,7 +34,7 @@ def test_vllm_equals_the_patched_forward_past_the_native_length(embedded, spec, 
     with patched(model, entry.name, **entry.params):
         overrides, longest = vllm_serving(model, LENGTH)
         reference = reference_logprobs(model, ids)
-    llm = start_llm(str(default_model_dir()), overrides=overrides, max_model_len=LENGTH)
+    llm = start_llm(str(default_model_dir()), overrides=overrides, max_model_len=LENGTH + 1)  # + 1 generated
     try:
         agreement = compare_logprobs(reference, engine_logprobs(llm, ids))
     finally:
