@@ -14,11 +14,11 @@ transformers, so it runs in .venv-vllm (``make vllm-env``) as a subprocess of th
 
 Rotary angles are fp32 on every side, and each side rounds them its own way: past a few thousand positions each
 side's rounding reaches several 1e-4 rad (half an ulp of 7,000 rad is 2.4e-4 rad), two formulas differ by up to
-twice that, and that moves a sensitive token's log-probability by about 1e-3. So the rope_patch side computes the angles the engine computes (``--angles engine``,
-the default, on which the check passes or fails): vLLM's rotary cache is transformers' formula; llama.cpp's is its
-own, computed here from the exported GGUF's keys and tensors in its fp32 order (ggml-cpu's ``ggml_rope_cache_init``
-and ``rope_yarn``: the angle of pair i is the position times θ^i by repeated fp32 multiplication, then YaRN's ramp and
-temperature). That the GGUF's keys give the patched model's cos/sin is tested apart, in float64
+twice that, and that moves a sensitive token's log-probability by about 1e-3. So the rope_patch side computes the
+angles the engine computes (``--angles engine``, the default, on which the check passes or fails): vLLM's rotary
+cache is transformers' formula; llama.cpp's is its own, computed here from the exported GGUF's keys and tensors in
+its fp32 order (ggml-cpu's ``ggml_rope_cache_init`` and ``rope_yarn``: the angle of pair i is the position times θ^i
+by repeated fp32 multiplication, then YaRN's ramp and temperature). That the GGUF's keys give the patched model's cos/sin is tested apart, in float64
 (tests/export/test_gguf.py). ``--angles transformers`` (the patched model as it runs) and ``fp64`` (position ×
 frequency and cos/sin in float64) diagnose a disagreement; they never fail the check.
 

@@ -27,6 +27,12 @@ from .vllm_engine import (LogprobAgreement, check_agreement, compare_logprobs, e
                           require_vllm, start_llm, stop_llm)
 
 ENGINES = ("hf", "vllm")
+PROBE_PAST_NATIVE = 256  # probe tokens past the native length: the positions only the method's scaling reaches
+# (the model as patched now, the window) -> (vLLM's hf_overrides, the longest input vLLM can serve under them).
+ServingSettingsFor = Callable[[nn.Module, int], tuple[dict[str, Any], int]]
+LmFactory = Callable[[int | None, int], Any]  # (window, batch size) -> an lm-eval model object
+
+
 def rolling_window_note(window: int) -> str:
     """lm-eval's vllm model scores rolling log-likelihood (perplexity tasks) in windows of ``max_length − 2`` tokens
     (a position for the context token, one for the token it generates), its hf model in windows of ``max_length``:
@@ -34,12 +40,6 @@ def rolling_window_note(window: int) -> str:
     return (f"note: lm-eval's vllm model scores rolling log-likelihood in windows of {window - 2:,} tokens, its hf "
             f"model in windows of {window:,}; to compare a perplexity task with --engine hf, give it --max-length "
             f"{window - 2}")
-
-
-PROBE_PAST_NATIVE = 256  # probe tokens past the native length: the positions only the method's scaling reaches
-# (the model as patched now, the window) -> (vLLM's hf_overrides, the longest input vLLM can serve under them).
-ServingSettingsFor = Callable[[nn.Module, int], tuple[dict[str, Any], int]]
-LmFactory = Callable[[int | None, int], Any]  # (window, batch size) -> an lm-eval model object
 
 
 class _DropWarning(logging.Filter):
@@ -135,7 +135,8 @@ class VllmEngine:
         from lm_eval.models.vllm_causallms import VLLM
 
         class NotedVLLM(VLLM):
-            """lm-eval's vllm model, saying once that it windows rolling log-likelihood unlike its hf model."""
+            """lm-eval's vllm model, saying once per method that it windows rolling log-likelihood otherwise than
+            its hf model."""
 
             noted = False
 
