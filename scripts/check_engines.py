@@ -18,9 +18,9 @@ twice that, and that moves a sensitive token's log-probability by about 1e-3. So
 angles the engine computes (``--angles engine``, the default, on which the check passes or fails): vLLM's rotary
 cache is transformers' formula; llama.cpp's is its own, computed here from the exported GGUF's keys and tensors in
 its fp32 order (ggml-cpu's ``ggml_rope_cache_init`` and ``rope_yarn``: the angle of pair i is the position times θ^i
-by repeated fp32 multiplication, then YaRN's ramp and temperature). That the GGUF's keys give the patched model's cos/sin is tested apart, in float64
-(tests/export/test_gguf.py). ``--angles transformers`` (the patched model as it runs) and ``fp64`` (position ×
-frequency and cos/sin in float64) diagnose a disagreement; they never fail the check.
+by repeated fp32 multiplication, then YaRN's ramp and temperature). That the GGUF's keys give the patched model's
+cos/sin is tested apart, in float64 (tests/export/test_gguf.py). ``--angles transformers`` (the patched model as it
+runs) and ``fp64`` (position × frequency and cos/sin in float64) diagnose a disagreement; they never fail the check.
 
     python scripts/check_engines.py --engine llama.cpp
     python scripts/check_engines.py --engine vllm
