@@ -11,6 +11,8 @@ right scaling.
     >>> print(rope_patch.run_eval(method=["none", "yarn:factor=2"], lengths=[4096, 16384], documents=2))
 """
 
+import importlib
+
 from .errors import (
     ConfigError,
     DataError,
@@ -23,39 +25,48 @@ from .errors import (
     UnknownMethodError,
     UnsupportedModelError,
 )
-from .eval.passkey import evaluate_passkey
-from .eval.perplexity import evaluate
-from .jobs import (
-    DemoConfig,
-    EvalConfig,
-    ExportConfig,
-    FinetuneConfig,
-    InspectConfig,
-    LmEvalConfig,
-    PasskeyConfig,
-    SearchConfig,
-    run_demo,
-    run_eval,
-    run_export,
-    run_inspect,
-    run_lm_eval,
-    run_passkey,
-    run_search,
-)
-from .jobs.finetune import finetune
-from .loading import from_pretrained, load_default_model, load_model
-from .methods import Method, Param, RopeBase, available_methods, method_label, parse_method_spec, register_method
-from .patching import (
-    PatchReport,
-    current_patch,
-    fixed_length,
-    native_length,
-    native_length_source,
-    patch,
-    patched,
-    set_native_length,
-    unpatch,
-)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported on first use (below): they import torch and transformers, which --help does without
+    from .eval.passkey import evaluate_passkey
+    from .eval.perplexity import evaluate
+    from .jobs import (DemoConfig, EvalConfig, ExportConfig, FinetuneConfig, InspectConfig, LmEvalConfig, PasskeyConfig,
+                       SearchConfig, run_demo, run_eval, run_export, run_inspect, run_lm_eval, run_passkey, run_search)
+    from .jobs.finetune import finetune
+    from .loading import from_pretrained, load_default_model, load_model
+    from .methods import (Method, Param, RopeBase, available_methods, method_label, parse_method_spec,
+                          register_method)
+    from .patching import (PatchReport, current_patch, fixed_length, native_length, native_length_source, patch,
+                           patched, set_native_length, unpatch)
+
+# name -> the module that defines it, imported when the name is first used (PEP 562)
+_LAZY = {
+    "evaluate_passkey": "rope_patch.eval.passkey", "evaluate": "rope_patch.eval.perplexity",
+    **dict.fromkeys(["DemoConfig", "EvalConfig", "ExportConfig", "FinetuneConfig", "InspectConfig", "LmEvalConfig",
+                     "PasskeyConfig", "SearchConfig", "run_demo", "run_eval", "run_export", "run_inspect",
+                     "run_lm_eval", "run_passkey", "run_search"], "rope_patch.jobs"),
+    "finetune": "rope_patch.jobs.finetune",
+    **dict.fromkeys(["from_pretrained", "load_default_model", "load_model"], "rope_patch.loading"),
+    **dict.fromkeys(["Method", "Param", "RopeBase", "available_methods", "method_label", "parse_method_spec",
+                     "register_method"], "rope_patch.methods"),
+    **dict.fromkeys(["PatchReport", "current_patch", "fixed_length", "native_length", "native_length_source", "patch",
+                     "patched", "set_native_length", "unpatch"], "rope_patch.patching"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The package's API, each name imported when first used: ``import rope_patch`` and the command line's
+    ``--help`` stay quick, ``rope_patch.patch(...)`` works as if imported eagerly."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.2.0"
 

@@ -1,8 +1,13 @@
-"""Where rope_patch keeps things on disk, and how loud the Hugging Face libraries may be.
+"""Where rope_patch keeps things on disk, what counts as a local model path, and how loud the libraries may be.
 
-The cache folder (converted models, tokenised corpora) is defined here once. Failed hub requests are reported by
-our own one-line errors, so huggingface_hub's own warning is silenced where we raise; transformers' warnings are
-silenced while we probe whether a config class accepts a method.
+The cache folder (converted models, tokenised corpora) is defined here once. A model name that looks like a local path
+and does not exist is refused here, before any hub lookup (which would retry for half a minute, then report a failed
+connection). Failed hub requests are reported by our own one-line errors, so huggingface_hub's own warning is silenced
+where we raise; transformers' warnings are silenced while we probe whether a config class accepts a method; progress
+bars, ours and the libraries', follow a job's ``--progress``.
+
+This module imports no Hugging Face library at its top: the command line's parser imports it (through the configs'
+model check), and ``--help`` must not wait for transformers.
 """
 
 from __future__ import annotations
@@ -12,15 +17,39 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-from huggingface_hub.utils import logging as hub_logging
-from transformers.utils import logging as transformers_logging
+from .errors import ModelNotFoundError
+
+HUB_ID_EXAMPLE = "HuggingFaceTB/SmolLM2-135M"
 
 
 def cache_dir() -> Path:
     """Where rope_patch keeps converted models and tokenised corpora (``$ROPE_PATCH_CACHE`` overrides)."""
     root = os.environ.get("ROPE_PATCH_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rope_patch"
     return Path(root)
+
+
+def check_model_name(name: str | os.PathLike) -> None:
+    """Refuse, at once, a model name that can only be a local path and names nothing on disk.
+
+    A hub id is ``name`` or ``owner/name``. Anything else that does not exist is refused: a name starting with ``.``,
+    ``/`` or ``~``, one with a backslash, a trailing slash or more than one slash, and an ``owner/name`` whose owner
+    is a folder here (``runs/my-checkpoint`` with a ``runs/`` folder in the current one: a typo in a checkpoint's name,
+    not a hub id)."""
+    text = os.fspath(name)
+    if Path(text).exists():
+        return
+    first = text.split("/", 1)[0]
+    local = (text.startswith((".", "/", "~")) or "\\" in text or text.endswith("/") or text.count("/") > 1
+             or (text.count("/") == 1 and first and Path(first).is_dir()))
+    if not local:
+        return
+    parent = Path(text.rstrip("/")).parent
+    where = (f" ({str(parent)!r} is a folder here, but holds no {Path(text).name!r})"
+             if str(parent) not in ("", ".") and parent.is_dir() else "")
+    raise ModelNotFoundError(f"no such folder {text!r}: it does not exist{where}; give an existing model folder (with "
+                             f"config.json) or a hub id such as {HUB_ID_EXAMPLE}")
 
 
 @contextlib.contextmanager
@@ -36,9 +65,126 @@ def errors_only(logging: ModuleType) -> Iterator[None]:
 
 def quiet_hub_requests():
     """Silence huggingface_hub's own warning about a failed request: the RopePatchError raised for it says it once."""
+    from huggingface_hub.utils import logging as hub_logging
+
     return errors_only(hub_logging)
 
 
 def quiet_transformers():
     """Silence transformers' warnings, e.g. while probing whether a config class accepts a method."""
+    from transformers.utils import logging as transformers_logging
+
     return errors_only(transformers_logging)
+
+
+@contextlib.contextmanager
+def progress_bars(shown: bool) -> Iterator[None]:
+    """Within the block, with ``shown=False``, no progress bar at all: rope_patch's own follow its ``progress`` option,
+    and every library's (transformers' "Loading weights", huggingface_hub's downloads, datasets', lm-eval's) is a
+    tqdm bar, created here as disabled. lm-eval offers no switch of its own, so the one place that sees every bar, tqdm's
+    constructor, is the switch; it is put back after the block."""
+    if shown:
+        yield
+        return
+    from tqdm import std
+
+    original = std.tqdm.__dict__["__init__"]
+
+    def disabled(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) > _DISABLE_INDEX:  # given by position (nobody does; kept exact anyway)
+            args = (*args[:_DISABLE_INDEX], True, *args[_DISABLE_INDEX + 1:])
+        else:
+            kwargs["disable"] = True
+        original.__get__(self, type(self))(*args, **kwargs)
+
+    std.tqdm.__init__ = disabled
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = original
+
+
+# tqdm(iterable, desc, total, leave, file, ncols, mininterval, maxinterval, miniters, ascii, disable, ...)
+_DISABLE_INDEX = 10
+
+
+@contextlib.contextmanager
+def stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null in the block: for a subprocess a library starts, whose messages Python's
+    ``sys.stderr`` never sees."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def lm_eval_quietly() -> Iterator[None]:
+    """lm-evaluation-harness without two messages a user cannot act on. Its results record the git commit of the
+    current folder through ``git describe``, whose refusal outside a repository ("fatal: not a git repository")
+    reaches the terminal: the same call runs here with git's stderr dropped (the answer is the same). RULER's and
+    IFEval's task modules download nltk's punkt_tab when they are imported, and print the failure where there is no
+    network: nltk's download runs quietly (a task that needs the data still fails, with nltk's own error)."""
+    from lm_eval import evaluator
+
+    original_hash = evaluator.get_git_commit_hash
+
+    def git_commit_hash() -> Any:
+        with stderr_silenced():
+            return original_hash()
+
+    nltk = None
+    with contextlib.suppress(ImportError):
+        import nltk
+    original_download = nltk.download if nltk is not None else None
+    evaluator.get_git_commit_hash = git_commit_hash
+    if nltk is not None:
+        nltk.download = _quiet_download(original_download)
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original_hash
+        if nltk is not None:
+            nltk.download = original_download
+
+
+def _quiet_download(download: Any) -> Any:
+    import io
+
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        return download(*args, **{**kwargs, "quiet": True, "print_error_to": io.StringIO()})
+    return quiet
+
+
+@contextlib.contextmanager
+def generation_reminder_silenced() -> Iterator[None]:
+    """Without transformers' "friendly reminder" that a generation passes ``max_position_embeddings``: an evaluation
+    that generates past the native length does so on purpose (the method under test extends it, or ``none`` is the
+    baseline that shows what happens without one), so the reminder tells its user nothing to act on."""
+    import logging
+
+    logger = logging.getLogger("transformers.generation.stopping_criteria")
+    reminder = _DropMessage("friendly reminder")
+    logger.addFilter(reminder)
+    try:
+        yield
+    finally:
+        logger.removeFilter(reminder)
+
+
+class _DropMessage:
+    """A logging filter dropping the records whose message holds ``text``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def filter(self, record: Any) -> bool:
+        return self.text not in record.getMessage()

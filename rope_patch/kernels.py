@@ -36,15 +36,12 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .choices import KERNELS
 from .errors import KernelsUnavailableError
 
-KERNELS = ("none", "liger")
 STATE_ATTR = "_rope_patch_kernels"
 INSTALL_HINT = "pip install 'rope-patch[liger]'"
 INTERPRETER = "TRITON_INTERPRET"
-KERNELS_HELP = ("fused Triton kernels: liger (liger-kernel's RMSNorm, SwiGLU and RoPE application, keeping the patched "
-                f"frequencies; in training also its fused linear cross-entropy; needs a CUDA GPU and {INSTALL_HINT}; "
-                f"on CPU, {INTERPRETER}=1 runs its RoPE and fused cross-entropy in Triton's interpreter) or none")
 _MISSING = object()
 # Every Liger kernel except the fused loss, which rope_patch's own loss calls (see liger_head_loss).
 LIGER_OPTIONS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,

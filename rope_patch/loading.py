@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
-from .hub import cache_dir, quiet_hub_requests
+from .hub import cache_dir, check_model_name, progress_bars, quiet_hub_requests
 from .patching import restore_saved_patch, set_native_length
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -169,11 +169,7 @@ def model_path(name_or_path: str | os.PathLike | None) -> str | Path:
     """The embedded default's folder for None, else the name, refusing a local-looking path that does not exist."""
     if name_or_path in (None, "", "default"):
         return default_model_dir()
-    text = str(name_or_path)
-    if not Path(text).exists() and (text.startswith((".", "/", "~")) or text.count("/") > 1):
-        raise ModelNotFoundError(
-            f"model folder {text!r} does not exist; give a folder with config.json or a hub id like HuggingFaceTB/SmolLM2-135M"
-        )
+    check_model_name(name_or_path)  # before any hub lookup, which would retry for half a minute
     return name_or_path
 
 
@@ -234,6 +230,7 @@ def load_model(
     device_map: DeviceMap | os.PathLike | None = None,
     offload_folder: str | os.PathLike | None = None,
     tp_plan: str | None = None,
+    progress: bool = True,
 ):
     """Load ``(model, tokenizer)`` from a hub id or folder, or the embedded default when ``None``.
 
@@ -241,6 +238,7 @@ def load_model(
     ``device_map`` (and ``offload_folder``): accelerate's big-model dispatch, as ``from_pretrained`` takes them
     (see :func:`parse_device_map`); the layers then stay where the map puts them (``device`` is not used).
     ``tp_plan="auto"``: transformers' tensor parallelism over the processes torchrun (or accelerate launch) started.
+    ``progress=False``: no progress bar while loading (transformers' "Loading weights", the hub's downloads).
     """
     path = model_path(name_or_path)
     device_map = parse_device_map(device_map)
@@ -257,7 +255,7 @@ def load_model(
         config_class = getattr(transformers, "DistributedConfig", None)
         kwargs |= {"distributed_config": config_class(tp_plan=tp_plan)} if config_class else {"tp_plan": tp_plan}
     try:
-        with quiet_hub_requests():
+        with quiet_hub_requests(), progress_bars(progress):
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = _placed(path, device_map, kwargs)
     except OSError as error:

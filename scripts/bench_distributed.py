@@ -72,7 +72,7 @@ def worker(args) -> None:
         return losses
 
     job.train = measured_train
-    job.finetune(model=args.folder, seq_len=args.seq_len, steps=1, method="yarn:factor=2", precision="fp32",
+    job.finetune(model=args.folder, seq_len=args.seq_len, steps=1, method="yarn:factor=2", dtype="fp32",
                  attn_implementation="sdpa", gradient_checkpointing=False, warmup_steps=1,
                  sequence_parallel=args.sequence_parallel, output=args.output, dataset=args.dataset)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

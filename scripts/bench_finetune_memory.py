@@ -71,7 +71,7 @@ def plain_loop(folder: Path, seq_len: int, steps: int, chunked: bool) -> float:
 def finetune_job(folder: Path, seq_len: int, steps: int, output: Path) -> float:
     from rope_patch import finetune
 
-    result = finetune(model=str(folder), seq_len=seq_len, steps=steps, precision="fp32", output=str(output),
+    result = finetune(model=str(folder), seq_len=seq_len, steps=steps, dtype="fp32", output=str(output),
                       attn_implementation="sdpa", exclude_documents=["_pydecimal.py"], warmup_steps=1)
     return result.losses[max(result.losses)]
 

@@ -63,7 +63,7 @@ def worker(args) -> None:
     from rope_patch import finetune
 
     result = finetune(model=args.folder, seq_len=args.seq_len, steps=args.steps, method="yarn:factor=4",
-                      precision="fp32", attn_implementation="sdpa", gradient_checkpointing=False, warmup_steps=1,
+                      dtype="fp32", attn_implementation="sdpa", gradient_checkpointing=False, warmup_steps=1,
                       sequence_parallel=args.sequence_parallel, output=args.output, dataset=args.dataset)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     rank = int(os.environ.get("RANK", 0))

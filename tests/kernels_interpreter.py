@@ -80,7 +80,7 @@ def test_perplexity_equals_the_run_without_kernels(tiny_folder, liger_calls, cap
 def test_two_training_steps_give_the_same_losses(tiny_folder, tmp_path, liger_calls):
     folder, corpus = tiny_folder
     kwargs = dict(model=str(folder), dataset=str(corpus), method=METHOD, seq_len=64, steps=2, lr=3e-3,
-                  warmup_steps=1, precision="fp32")
+                  warmup_steps=1, dtype="fp32")
     plain = finetune(output=str(tmp_path / "plain"), **kwargs)
     assert not liger_calls["rope"] and not liger_calls["flce"]
     fused = finetune(output=str(tmp_path / "fused"), kernels="liger", **kwargs)

@@ -133,7 +133,7 @@ def test_the_fused_head_loss_is_the_summed_cross_entropy():
 def test_finetune_with_kernels_learns_like_without(tiny_folder, tmp_path):
     folder, corpus = tiny_folder
     kwargs = dict(model=str(folder), dataset=str(corpus), seq_len=96, steps=3, lr=3e-3, warmup_steps=1,
-                  precision="fp32", gradient_checkpointing=True)
+                  dtype="fp32", gradient_checkpointing=True)
     plain = finetune(output=str(tmp_path / "plain"), **kwargs)
     fused = finetune(output=str(tmp_path / "fused"), kernels="liger", **kwargs)
     assert list(fused.losses) == list(plain.losses)

@@ -1,70 +1,102 @@
 """The ``rope-patch`` command: one verb per job, its options generated from the job's config dataclass.
 
 Bad input raises :class:`rope_patch.errors.RopePatchError`; it is printed on one line and the command exits with
-status 2, never with a traceback.
+status 2, never with a traceback. A command-line mistake argparse finds (an unknown option, a bad choice) is one line,
+with a "did you mean" where an option is close, then the verb's usage line.
+
+Building the parser imports the configs only, never torch or transformers: ``rope-patch --help`` (and every verb's)
+answers at once; the job's own modules are imported when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import os
 import shlex
 import sys
 import typing
+import warnings
 
+from .. import __version__
+from ..choices import AS_LOADED, BUILT_IN_METHODS
 from ..errors import RopePatchError
+from ..hub import progress_bars
 from ..jobs import JOBS, Job
-from ..jobs.options import JobConfig
-from ..eval.sweep import AS_LOADED
-from ..methods import available_methods
-from ..train.interrupt import TrainingInterrupted
-from .arguments import add_config_arguments
+from ..jobs.options import JobConfig, RenamedOptionWarning
+from .arguments import add_config_arguments, usage
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse with its errors on one line, like every other bad input (argparse's own adds the usage block); the
-    exit status stays 2."""
+    """argparse with its errors on one line, like every other bad input (argparse's own adds the usage block), then
+    the verb's one-line usage; the exit status stays 2."""
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n{self.format_usage()}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     parser = OneLineParser(
-        prog="rope-patch",
+        prog="rope-patch", usage="rope-patch [--version] VERB [options]",
         description="Extend the context window of a RoPE transformers model: patch its rotary embedding "
-        "(linear, ntk, yarn, ...), evaluate perplexity and passkey retrieval at long lengths, fine-tune.",
+        "(linear, ntk, yarn, ...), evaluate perplexity and passkey retrieval at long lengths, fine-tune, export.",
         epilog="Run 'rope-patch VERB --help' for the options of each verb.",
     )
+    parser.add_argument("--version", action="version", version=f"rope-patch {__version__}")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
+    parser.verbs = {}
     for verb, job in JOBS.items():
+        fields = dataclasses.fields(job.config)
+        methods = f"methods: {', '.join(BUILT_IN_METHODS)}, {AS_LOADED}\n" if "method" in {f.name for f in fields} else ""
         sub = subparsers.add_parser(
-            verb, help=job.summary, description=job.description, formatter_class=argparse.RawDescriptionHelpFormatter,
-            epilog=f"methods: {', '.join(available_methods())}, {AS_LOADED}\nexample: {job.example}",
+            verb, prog=f"rope-patch {verb}", help=job.summary, description=job.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            usage=usage(verb, job.config), epilog=f"{methods}example: {job.example}",
         )
-        add_config_arguments(sub, job.config)
+        add_config_arguments(sub, job.config, job.config_example)
+        earlier = {f"--{prefix}{alias.replace('_', '-')}" for f in fields for alias in f.metadata.get("aliases", ())
+                   for prefix in ("", "no-")}
+        sub.suggestions = [o for action in sub._actions for o in action.option_strings if o not in earlier]
+        parser.verbs[verb] = sub
     return parser
+
+
+def did_you_mean(options: list[str], given: str) -> str:
+    """``"; did you mean --documents?"`` for ``--documnets``, among a verb's options (earlier names left out: the
+    suggestion is the name to use); "" if none is close."""
+    close = difflib.get_close_matches(given.split("=", 1)[0], options, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def parse(argv: list[str] | None = None) -> tuple[Job, JobConfig]:
     """The verb's job and its config: the dataclass defaults, overridden by a ``--config`` YAML file, overridden by
     the flags given."""
     parser = build_parser()
-    given = vars(parser.parse_args(argv))
+    namespace, extras = parser.parse_known_args(argv)
+    given = vars(namespace)
     verb = given.pop("verb", None)
     if verb is None:
         parser.print_help()
         raise SystemExit(2)
+    if extras:  # argparse names these on the top-level parser; say them on the verb's, with a suggestion
+        sub, first = parser.verbs[verb], extras[0]
+        if first.startswith("-"):
+            sub.error(f"unknown option {first.split('=', 1)[0]}{did_you_mean(sub.suggestions, first)}")
+        sub.error(f"unexpected argument {first!r}")
     job = JOBS[verb]
     options = job.config.read_yaml(given.pop("config")) if "config" in given else {}
     options.update(given)
-    return job, job.config.from_options(**options)
+    config = job.config.from_options(**options)
+    config.check_required()
+    return job, config
 
 
 def run(argv: list[str] | None = None) -> object:
     """Run the job ``argv`` asks for; returns its result."""
     job, config = parse(argv)
-    return job.run(config)
+    with progress_bars(getattr(config, "progress", True)):
+        return job.run(config)
 
 
 def program(explicit_argv: bool) -> str:
@@ -93,9 +125,27 @@ def with_resume(args: list[str], resume: str | None) -> list[str]:
     return kept + ["--resume", resume]
 
 
+def _one_line_warnings(verb: str):
+    """Show a renamed option's warning as one line (``rope-patch finetune: warning: ...``), not Python's two."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, RenamedOptionWarning):
+            print(f"rope-patch{' ' + verb if verb else ''}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     verb = next((a for a in args if a in JOBS), "")
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warnings(verb)
+        return _main(argv, args, verb)
+
+
+def _main(argv: list[str] | None, args: list[str], verb: str) -> int:
     try:
         result = run(argv)
         if getattr(result, "main_process", True):  # under accelerate launch, only the main process reports
@@ -108,14 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except TrainingInterrupted as stop:
-        if stop.main_process:
+    except KeyboardInterrupt as stop:
+        from ..train.interrupt import TrainingInterrupted  # imported already where training raised it
+
+        if not isinstance(stop, TrainingInterrupted):
+            print("rope-patch: interrupted; finished results are saved: rerun the same command to resume.",
+                  file=sys.stderr)
+        elif stop.main_process:
             command = shlex.join(with_resume(args, stop.resume))
             print(f"rope-patch {verb}: {stop.describe()}; {'resume' if stop.resume else 'start again'} with:\n"
                   f"{program(argv is not None)} {command}", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        print("rope-patch: interrupted; finished results are saved: rerun the same command to resume.", file=sys.stderr)
         return 130
 
 

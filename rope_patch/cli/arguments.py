@@ -2,7 +2,8 @@
 
 Flags are read as plain strings and handed to the config, which parses them exactly as it parses YAML and Python
 values (:mod:`rope_patch.jobs.options`). A flag that is not given is left out (``argparse.SUPPRESS``), so a YAML
-``--config`` file fills the gaps and the dataclass supplies the rest.
+``--config`` file fills the gaps and the dataclass supplies the rest. A field's earlier names (``aliases``) are
+hidden flags of their own; the config reads them as the field, with a warning.
 """
 
 from __future__ import annotations
@@ -24,24 +25,43 @@ def _default_text(value) -> str:
     return f" (default: {value})"
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, config: type[JobConfig]) -> None:
-    """One argument per field of ``config``, plus ``--config YAML``."""
+def usage(verb: str, config: type[JobConfig]) -> str:
+    """The one-line usage of a verb: its positional argument, its required options, then ``[options]``."""
+    words = [f"rope-patch {verb}"]
+    for spec in dataclasses.fields(config):
+        meta = spec.metadata
+        if meta.get("positional"):
+            words.append(f"[{meta.get('metavar') or spec.name.upper()}]")
+        elif meta.get("required"):
+            words.append(f"{flag(spec.name)} {meta.get('metavar') or spec.name.upper()}")
+    return " ".join(words + ["[options]"])
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config: type[JobConfig],
+                         config_example: str | None = None) -> None:
+    """One argument per field of ``config`` (and a hidden one per earlier name), plus ``--config YAML``."""
     hints = typing.get_type_hints(config)
     for spec in dataclasses.fields(config):
         meta = spec.metadata
         default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
-        help_text = (meta["help"] + _default_text(default)).replace("%", "%%")
+        help_text = (meta["help"] + (" (required)" if meta.get("required") else _default_text(default)))
+        help_text = help_text.replace("%", "%%")
         kwargs = {"default": argparse.SUPPRESS, "help": help_text}
         if meta.get("metavar"):
             kwargs["metavar"] = meta["metavar"]
-        if meta.get("positional"):
+        if meta.get("positional"):  # `rope-patch inspect MODEL`, and --model MODEL as every other verb takes it
             parser.add_argument(spec.name, nargs="?", **kwargs)
+            parser.add_argument(flag(spec.name), dest=spec.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                                metavar=meta.get("metavar"))
             continue
+        names = [spec.name, *meta.get("aliases", ())]
         if hints[spec.name] is bool:  # --flag, --flag VALUE (read as YAML values are: on/off, yes/no, ...), --no-flag
-            off = "--no-" + flag(spec.name)[2:]
-            parser.add_argument(off, dest=spec.name, action="store_const", const=False,
-                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-            kwargs.update(nargs="?", const=True, metavar="on|off", help=help_text.removesuffix(")") + f"; {off} = off)")
+            for name in names:
+                off = "--no-" + flag(name)[2:]
+                parser.add_argument(off, dest=name, action="store_const", const=False,
+                                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            kwargs.update(nargs="?", const=True, metavar="on|off",
+                          help=help_text.removesuffix(")") + f"; --no-{flag(spec.name)[2:]} = off)")
         elif meta.get("repeat"):
             kwargs["action"] = "append"
         elif meta.get("const") is not None:
@@ -49,6 +69,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, config: type[JobConfig
         if meta.get("choices") and "action" not in kwargs:
             kwargs["choices"] = meta["choices"]
         parser.add_argument(flag(spec.name), dest=spec.name, **kwargs)
+        for alias in names[1:]:  # the earlier name: read as the field by the config, which says so once
+            parser.add_argument(flag(alias), dest=alias, **{**kwargs, "help": argparse.SUPPRESS})
+    example = f", e.g. the repository's {config_example}" if config_example else ""
     parser.add_argument("--config", metavar="YAML", default=argparse.SUPPRESS,
-                        help=f"YAML file of option values (keys as the options above, e.g. configs/{config.command}/"
-                        "...yaml); flags on the command line override it")
+                        help=f"YAML file of option values (keys as the options above{example}); flags on the command "
+                        "line override it")

@@ -36,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, MissingExtraError
+from ..hub import lm_eval_quietly
 from ..patching import native_length, patch_state, primary_rotary
 from .plots import file_stem
 from .harness_engines import HfEngine, VllmEngine
@@ -168,11 +169,12 @@ def run_unit(lm: Any, entry: MethodEntry, unit: HarnessUnit, catalog: TaskCatalo
 
     tracker = EvaluationTracker(output_path=str(Path(output) / file_stem(entry.label))) if output is not None else None
     meta = unit.metadata(metadata)
-    results = lm_eval.simple_evaluate(
-        model=lm, model_args={"pretrained": model_name, "rope_patch": entry.label},
-        tasks=catalog.load(unit.task, meta), task_manager=catalog.manager(meta), num_fewshot=num_fewshot,
-        batch_size=batch_size, limit=limit, log_samples=False, evaluation_tracker=tracker,
-    )
+    with lm_eval_quietly():  # no "fatal: not a git repository", no nltk download failure
+        results = lm_eval.simple_evaluate(
+            model=lm, model_args={"pretrained": model_name, "rope_patch": entry.label},
+            tasks=catalog.load(unit.task, meta), task_manager=catalog.manager(meta), num_fewshot=num_fewshot,
+            batch_size=batch_size, limit=limit, log_samples=False, evaluation_tracker=tracker,
+        )
     if tracker is None:
         return results, None
     tracker.save_results_aggregated(results=results, samples=None)

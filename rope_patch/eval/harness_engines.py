@@ -20,13 +20,14 @@ from torch import nn
 
 from ..data.documents import stdlib_corpus
 from ..data.tokens import resolve_bos, select_documents, tokenize_documents
+from ..choices import LM_EVAL_ENGINES
 from ..errors import ConfigError
 from ..patching import native_length
 from .sweep import MethodEntry
 from .vllm_engine import (LogprobAgreement, check_agreement, compare_logprobs, engine_logprobs, reference_logprobs,
                           require_vllm, start_llm, stop_llm)
 
-ENGINES = ("hf", "vllm")
+ENGINES = LM_EVAL_ENGINES
 PROBE_PAST_NATIVE = 256  # probe tokens past the native length: the positions only the method's scaling reaches
 # (the model as patched now, the window) -> (vLLM's hf_overrides, the longest input vLLM can serve under them).
 ServingSettingsFor = Callable[[nn.Module, int], tuple[dict[str, Any], int]]

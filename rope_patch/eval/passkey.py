@@ -27,6 +27,7 @@ from transformers import GenerationConfig
 
 from ..data import resolve_bos
 from ..errors import ConfigError, DataError
+from ..hub import generation_reminder_silenced
 from ..patching import forget_lengths_seen, input_device
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep
@@ -147,7 +148,7 @@ def answer(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 8) -> 
     """Greedy continuation of one prompt, decoded without special tokens."""
     input_ids = torch.tensor([prompt.input_ids], device=input_device(model))  # [1, length]
     forget_lengths_seen(model)  # transformers' own dynamic scaling: as a freshly loaded model answers this prompt
-    with greedy_generation(model):
+    with greedy_generation(model), generation_reminder_silenced():  # past the native length on purpose
         output = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens
         )

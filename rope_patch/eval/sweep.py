@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from ..methods import method_label, parse_method_spec
+from ..choices import AS_LOADED
 from ..errors import ConfigError
 from ..patching import (config_scaling_label, current_patch, find_rotary_modules, named_weights, patch_state, patched,
                         primary_rotary)
 from .store import ResultStore, record_key
 
-AS_LOADED = "as-loaded"  # a method spec: the model as loaded, with whatever scaling its checkpoint carries
 FINGERPRINT_SAMPLES = 256  # values read from each weight tensor for the model's fingerprint
 MethodSpec = str | Mapping[str, Any]
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..choices import PROTOCOLS
 from ..errors import ConfigError
 
-PROTOCOLS = ("truncate", "sliding", "disjoint")
 
 
 @dataclass(frozen=True)

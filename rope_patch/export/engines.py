@@ -30,12 +30,13 @@ from typing import Any
 
 from torch import nn
 
+from ..choices import SERVING_ENGINES
 from ..errors import EngineUnsupportedError
 from ..methods import RopeBase, available_methods, frequency_and_attention, get_method, method_label, resolve_params
 from ..methods import yarn_attention_factor
 from ..patching import patch_state, primary_rotary, rotary_setup
 
-ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
+ENGINES = SERVING_ENGINES
 ENGINE_NAMES = {"transformers": "transformers", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
 GGUF_ARCHITECTURES = {"llama": "llama"}  # transformers model_type -> llama.cpp architecture written exactly
 # transformers' rope_type -> the rope_patch method that computes it (a model loaded with scaling and never patched)

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..choices import GGUF_DTYPES
 from ..errors import EngineUnsupportedError, MissingExtraError
 from ..loading import default_gguf_path
 from ..methods import compute_frequencies, default_inv_freq, yarn_attention_factor
 from .engines import GGUF_ARCHITECTURES, ServedRope, served_rope, serving_settings
 
-GGUF_DTYPES = ("f32", "f16")
 YARN_BETAS = (32.0, 1.0)  # the only betas llama.cpp's llama architecture uses (it reads none from the file)
 
 

@@ -13,38 +13,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from ..errors import ConfigError
 from ..patching import native_length
-from .common import MODEL_HELP, load_for_job
-from .demo_plan import GRIDS, DemoPlan, Estimate, measure_forward_cost, plan_for_budget, scaled
+from .common import load_for_job
+from .configs.demo import DemoConfig
+from .demo_plan import DemoPlan, Estimate, measure_forward_cost, plan_for_budget, scaled
 from .eval import EvalResult, run_eval
 from .inspect import InspectResult, run_inspect
-from .options import JobConfig, option
 from .passkey import PasskeyResult, run_passkey
-
-
-@dataclass
-class DemoConfig(JobConfig):
-    """What ``make demo`` runs. Field names are the ``rope-patch demo`` options and the YAML keys."""
-
-    command: ClassVar[str] = "demo"
-
-    grid: str = option("auto", "auto: the largest plan whose estimated time fits --time-budget on this machine (the "
-                               "full grid on a GPU); or full, medium, small, minimal", choices=GRIDS)
-    # 580: make demo's 10 minutes, less Python's start and the imports before the job's clock starts
-    time_budget: int = option(580, "seconds the auto grid fits, estimated from this machine's measured speed")
-    model: str | None = option(None, MODEL_HELP)
-    dtype: str = option("auto", "auto (bf16 on a GPU and on CPUs with native bf16, fp32 elsewhere), bf16, fp32 or fp16",
-                        choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
-    output: str = option("runs/demo", "folder for the results (eval/, passkey/): a rerun resumes from them",
-                         folder=True)
-    progress: bool = option(True, "show progress bars")
-
-    def validate(self) -> None:
-        if self.time_budget < 1:
-            raise ConfigError(f"--time-budget {self.time_budget}: give a positive number of seconds")
 
 
 @dataclass
@@ -96,7 +73,7 @@ def run_demo(config: DemoConfig | None = None, /, **options: Any) -> DemoResult:
     passkey/), so a rerun reuses every finished document and trial."""
     config = DemoConfig.from_options(config, **options)
     start = time.perf_counter()
-    loaded = load_for_job(config.model, dtype=config.dtype, attn_implementation=None)
+    loaded = load_for_job(config.model, dtype=config.dtype, attn_implementation=None, progress=config.progress)
     native = native_length(loaded.model)
     cost = measure_forward_cost(loaded.model)
     plan, estimate = plan_for_budget(config.grid, cost, native, config.time_budget, spent=time.perf_counter() - start)

@@ -8,52 +8,18 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from ..errors import ConfigError, RopePatchError
+from ..errors import RopePatchError
 from ..eval.sweep import AS_LOADED
-from ..export import ENGINES, served_rope, serving_settings
+from ..export import served_rope, serving_settings
 from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command
-from ..export.gguf import GGUF_DTYPES, GgufRope, write_gguf
+from ..export.gguf import GgufRope, write_gguf
 from ..loading import model_path
 from ..methods import parse_method_spec
 from ..patching import patch
-from .common import MODEL_HELP, NATIVE_LENGTH_HELP, load_for_job, split_loaded
-from .options import JobConfig, option
-
-RECORD = "rope_patch_export.json"  # marks a folder this job wrote (a rerun may replace it; a foreign one is refused)
-
-
-@dataclass
-class ExportConfig(JobConfig):
-    """What to export, for which engine, where. Field names are the ``rope-patch export`` options and YAML keys."""
-
-    command: ClassVar[str] = "export"
-
-    engine: str | None = option(None, "the serving engine: " + ", ".join(ENGINES), choices=ENGINES)
-    method: str = option(AS_LOADED, "method NAME[:key=value,...] or @file.json; 'as-loaded' exports the model as "
-                                    "loaded (a fine-tuned checkpoint with its scaling)", metavar="SPEC")
-    model: str | None = option(None, MODEL_HELP)
-    output: str | None = option(None, "the folder to write (the engine loads it as is); must be new, empty, or an "
-                                      "earlier export")
-    longrope_short_equals_long: bool = option(False, "LongRoPE: use the long factors at every length (engines pick "
-                                                     "one list per batch or context, not per length; vllm#27414)")
-    gguf_dtype: str = option("f32", "llama.cpp: the weights' type in the GGUF file", choices=GGUF_DTYPES)
-    native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
-
-    def validate(self) -> None:
-        if self.method != AS_LOADED:
-            parse_method_spec(self.method)
-        if self.output is not None:
-            check_output(Path(self.output))
-
-    def check_required(self) -> None:
-        """The two options without a default, checked when the job runs (so the bare config stays constructible)."""
-        if self.engine is None:
-            raise ConfigError(f"export: give --engine, one of {', '.join(ENGINES)}")
-        if self.output is None:
-            raise ConfigError("export: give --output DIR, the folder to write")
-
+from .common import load_for_job, split_loaded
+from .configs.export import RECORD, ExportConfig, check_output
 
 @dataclass
 class ExportResult:
@@ -73,14 +39,6 @@ class ExportResult:
         return "\n".join(lines)
 
 
-def check_output(folder: Path) -> None:
-    """A new or empty folder, or one this job wrote before; anything else is someone's data: refused."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"export: --output {folder} is a file; give a folder")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / RECORD).is_file():
-        raise ConfigError(f"export: --output {folder} holds other files (no {RECORD}); give a new or empty folder")
-
-
 def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportResult:
     """Load the model, patch it with ``method`` (unless as-loaded), check the engine can serve it, and write the
     folder atomically (a temporary sibling renamed into place: an interrupted export leaves no half folder)."""
@@ -89,7 +47,7 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     config.check_required()
     if loaded is None:
         loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
-                              native_length=config.native_length)
+                              native_length=config.native_length, progress=config.progress)
     model, tokenizer = loaded.model, loaded.tokenizer
     if config.method != AS_LOADED:
         name, params = parse_method_spec(config.method)

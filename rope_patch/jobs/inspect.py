@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from ..loading import load_structure
 from ..methods import parse_method_spec
 from ..rotary_info import RotaryInfo, describe_rotary, format_report, frequency_table, relative_positions
-from .common import MODEL_HELP, NATIVE_LENGTH_HELP
-from .options import JobConfig, option
-
-
-@dataclass
-class InspectConfig(JobConfig):
-    """What to inspect. Field names are the ``rope-patch inspect`` options and the YAML keys."""
-
-    command: ClassVar[str] = "inspect"
-
-    model: str | None = option(None, MODEL_HELP, positional=True)
-    method: str | None = option(None, "method to compare with, NAME[:key=value,...], e.g. yarn:factor=2",
-                                metavar="SPEC", spec=True)
-    native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
-
-    def validate(self) -> None:
-        if self.method is not None:
-            parse_method_spec(self.method)
+from .configs.inspect import InspectConfig
 
 
 @dataclass

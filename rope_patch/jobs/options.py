@@ -12,6 +12,7 @@ import dataclasses
 import os
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,21 +21,27 @@ import yaml
 
 from ..errors import ConfigError
 from ..files import atomic_write
-from ..methods.values import parse_bool, parse_number
+from ..hub import check_model_name
+from ..values import parse_bool, parse_number
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, repeat: bool = False,
            split: bool = True, tokens: bool = False, positional: bool = False, metavar: str | None = None,
-           const: Any = None, spec: bool = False, folder: bool = False, empty: bool | None = None) -> Any:
+           const: Any = None, spec: bool = False, folder: bool = False, empty: bool | None = None,
+           model: bool = False, required: bool = False, aliases: tuple[str, ...] = ()) -> Any:
     """A config field. ``repeat``: a list option given once per value on the command line (``--method A --method
     B``); ``split``: a string value of a list option is comma-separated (off for method specs, which hold commas);
     ``tokens``: whole numbers may be written ``16k`` (= 16,384); ``positional``: a positional command-line argument;
     ``const``: the value of the flag given alone (``--resume`` = ``--resume latest``); ``spec``: a method spec, text
     or a mapping (``{name: yarn, factor: 2}``); ``folder``: a folder the job writes, refused now if it names a file;
-    ``empty``: whether a list option may be empty (default: only where its default is)."""
+    ``empty``: whether a list option may be empty (default: only where its default is); ``model``: a model name or
+    folder, a local-looking path that does not exist refused before the job starts (:meth:`JobConfig.check_required`);
+    ``required``: the job cannot run without it (its default, None or [], only keeps the bare config constructible);
+    ``aliases``: earlier names of the field, still read from the command line, YAML and Python with a warning."""
     metadata = {"help": help, "choices": choices, "repeat": repeat, "split": split, "tokens": tokens,
                 "positional": positional, "metavar": metavar, "const": const, "spec": spec, "folder": folder,
-                "empty": empty if empty is not None else default == []}
+                "empty": empty if empty is not None else default == [], "model": model, "required": required,
+                "aliases": tuple(aliases)}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -75,6 +82,33 @@ def _checked_text(name: str, value: str, meta: Mapping[str, Any]) -> str:
     if meta.get("folder") and os.path.lexists(value) and not os.path.isdir(value):
         raise ConfigError(f"{flag(name)} {value!r} is a file, and the job writes a folder there; give a folder")
     return value
+
+
+class RenamedOptionWarning(FutureWarning):
+    """An option was given by an earlier name (``--num-documents``, now ``--documents``); it still works."""
+
+
+_WARNED: set[tuple[str, str]] = set()  # (verb, old name): each rename is told once per process
+
+
+def renamed(config: type[JobConfig], options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with earlier names of fields replaced by the fields' names, each told once as a
+    :class:`RenamedOptionWarning`; an option given by both names is refused."""
+    names = {alias: spec.name for spec in dataclasses.fields(config) for alias in spec.metadata.get("aliases", ())}
+    result = dict(options)
+    for old, new in names.items():
+        if old not in result:
+            continue
+        if new in result:
+            raise ConfigError(f"{flag(new)} and {flag(old)} are one option ({flag(old)} is its earlier name): give "
+                              f"{flag(new)} only")
+        result[new] = result.pop(old)
+        if (config.command, old) not in _WARNED:
+            _WARNED.add((config.command, old))
+            where = f"{config.command} " if config.command else ""
+            warnings.warn(f"{where}{flag(old)} is now {flag(new)} ({old}: → {new}: in YAML, {new}= in Python); the "
+                          "old name still works", RenamedOptionWarning, stacklevel=3)
+    return result
 
 
 def _unwrap(kind: Any) -> tuple[Any, bool]:
@@ -141,9 +175,24 @@ class JobConfig:
     def validate(self) -> None:
         """Checks across fields; a subclass raises ConfigError naming the options and the fix."""
 
+    def check_required(self) -> None:
+        """What a run needs, checked when the job is about to run, not when the config is built (a saved config may
+        name a model a fine-tune has yet to write): the options declared ``required`` given, and a ``model`` that is
+        a local-looking path existing (else "no such folder" now, not a hub lookup that retries for half a minute)."""
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if spec.metadata.get("model") and isinstance(value, (str, os.PathLike)):
+                check_model_name(value)
+            if spec.metadata.get("required") and value in (None, []):
+                choices = spec.metadata.get("choices")
+                what = f"one of {', '.join(choices)}" if choices else spec.metadata["help"]
+                raise ConfigError(f"{self.command}: give {flag(spec.name)}, {what}")
+
     @classmethod
     def from_options(cls, config: JobConfig | None = None, **options: Any) -> JobConfig:
-        """``config`` (or the defaults) with ``options`` replacing fields; an unknown name is refused with the list."""
+        """``config`` (or the defaults) with ``options`` replacing fields; an unknown name is refused with the list, an
+        earlier name of a field is read as the field with a warning."""
+        options = renamed(cls, options)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -177,13 +226,17 @@ class JobConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must be a mapping of option: value")
         known = {f.name for f in dataclasses.fields(cls)}
+        earlier = {alias for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
         values = {}
         for key, value in data.items():
             name = str(key).replace("-", "_")
-            if name not in known:
+            if name not in known | earlier:
                 raise ConfigError(f"config file {str(path)!r}: unknown option {key!r}; known: {', '.join(sorted(known))}")
+            if name in values:
+                raise ConfigError(f"config file {str(path)!r}: {key!r} is given twice (as {name} and "
+                                  f"{name.replace('_', '-')}); keep one")
             values[name] = value
-        return values
+        return renamed(cls, values)
 
     def to_yaml(self, path: str | Path, *, leave_out: tuple[str, ...] = ()) -> Path:
         """Write the config as YAML whose first line is the command that reruns it."""

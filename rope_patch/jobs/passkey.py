@@ -4,43 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from ..errors import ConfigError
-from ..eval.passkey import KEY_FIELDS, check_grid, evaluate_passkey
+from ..eval.passkey import KEY_FIELDS, evaluate_passkey
 from ..eval.passkey_report import format_table, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import LoadedModel, SweepConfig, fast_path, settle_native_length, split_loaded
-from .options import option
-
-
-@dataclass
-class PasskeyConfig(SweepConfig):
-    """Every choice of a passkey run. Field names are the ``rope-patch passkey`` options and the YAML keys."""
-
-    command: ClassVar[str] = "passkey"
-    sequence_parallel_refusal: ClassVar[str | None] = (
-        "generation decodes one token at a time against a KV cache that Ulysses' split prefill does not build")
-
-    lengths: list[int] = option([4096, 8192, 16384], "prompt lengths in tokens, e.g. 4096,8192,16k", tokens=True)
-    depths: list[float] = option([0.0, 0.25, 0.5, 0.75, 1.0], "key depths as fractions of the filler, 0 = start, 1 = end")
-    trials: int = option(5, "trials (random keys) per length × depth")
-    seed: int = option(0, "seed of the random keys")
-    max_new_tokens: int = option(8, "tokens generated per answer")
-    engine: str = option("hf", "what generates the answers: hf only (passkey through vLLM: rope-patch lm-eval "
-                               "--engine vllm with a RULER niah task)", choices=("hf", "vllm"))
-    output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots "
-                                                "(none from Python with output=None)", folder=True)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.engine != "hf":
-            raise ConfigError("passkey --engine vllm is not built: its trials generate through the patched model "
-                              "object; run RULER's needle tasks through vLLM with rope-patch lm-eval --engine vllm "
-                              "--tasks niah_single_1")
-        check_grid(self.lengths, self.depths, self.trials, self.max_new_tokens)
+from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .configs.passkey import PasskeyConfig
 
 
 @dataclass

@@ -227,7 +227,12 @@ def _check_longrope(base: RopeBase, params: dict) -> None:
 
 
 
-FACTOR = Param("float", "scale factor s: the new context is about s × the native length")
+# A factor below 1 is well defined (positions compressed, the context shrunk to s × L), but it is no context extension:
+# nothing here is built or tested for it, and `yarn:factor=0.5` is far likelier a typo for 2 or for 1.5. Refused.
+FACTOR_BELOW_ONE = ("a factor below 1 compresses positions, shrinking the context to s × the native length; give 1 "
+                    "(the model unchanged) or more, e.g. factor=2 for twice the native length")
+FACTOR = Param("float", "scale factor s: the new context is about s × the native length", minimum=1.0,
+               minimum_why=FACTOR_BELOW_ONE)
 NATIVE = Param("int", "pretraining context length L (default: the model's own)",
                default=lambda base: base.native_length, maximum=MAX_POSITION, maximum_why=POSITION_BOUND_WHY)
 BETA_FAST = Param("float", "pairs turning more than this many times in L keep their frequency", default=32.0)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidParameterError, UnknownMethodError
-from .values import parse_bool, parse_number
+from ..values import parse_bool, parse_number
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ class Param:
     optional: bool = False  # None is allowed and means "derived" (e.g. YaRN's attention_factor)
     maximum: float | None = None  # the largest value that still means something, with why in ``maximum_why``
     maximum_why: str = ""
+    minimum: float | None = None  # the smallest value that does what the method is for, with why in ``minimum_why``
+    minimum_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ def _coerce(method: str, key: str, param: Param, value: Any) -> Any:
         raise unreadable(error) from None
     if number <= 0:
         raise bad("must be a positive number")
+    if param.minimum is not None and number < param.minimum:
+        raise bad(f"is below {param.minimum:g}: {param.minimum_why}")
     if param.maximum is not None and number > param.maximum:
         raise bad(f"must be at most {param.maximum:,}" + (f" ({param.maximum_why})" if param.maximum_why else ""))
     return number if param.kind == "int" else float(number)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import InvalidParameterError
 from .registry import METHODS, canonical_params, get_method
-from .values import FALSE, TRUE, parse_bool, parse_number
+from ..values import FALSE, TRUE, parse_bool, parse_number
 
 
 def _parse_value(text: str) -> Any:

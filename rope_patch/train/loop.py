@@ -108,7 +108,7 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
     tokens_per_step = config.batch_size * config.grad_accum * ranks * config.seq_len
     losses: dict[int, float] = {}
     bar = tqdm(total=config.steps, initial=progress.step, desc="finetune", unit="step",
-               disable=not accelerator.is_local_main_process)
+               disable=not accelerator.is_local_main_process or not config.progress)
     while progress.step < config.steps:
         step, started = progress.step, time.perf_counter()
         lr = scheduler.get_last_lr()[0]

@@ -175,12 +175,12 @@ def test_every_spelling_of_one_method_has_one_label(drawn):
 
 @pytest.mark.parametrize("spec, message", [
     ("linear:factor=1e300", "finite and above 0"),  # frequencies underflow to 0
-    ("linear:factor=1e-300", "finite and above 0"),  # frequencies overflow: nan perplexity
+    ("linear:factor=1e-300", "below 1"),  # frequencies would overflow (nan perplexity); refused as compression first
     ("dynamic_ntk:factor=1e300", "finite and above 0"),
     ("yarn:factor=2,factor=4", "factor is given twice"),
     ("rerope:window=1e14", "at most 16,777,216"),
     ("self_extend:group=1e9,window=16", "at most 16,777,216"),
-    ("yarn:factor=0.5,attention_factor=1e300", "attention factor"),
+    ("yarn:factor=2,attention_factor=1e300", "attention factor"),
     ("base:rope_theta=1", "above 1"),
     ("longrope:factor=2,original_max_position_embeddings=1,short_factor=[1,1,1,1,1,1,1,1],"
      "long_factor=[1,1,1,1,1,1,1,1]", "cannot be computed"),  # ln L = 0 in a divisor

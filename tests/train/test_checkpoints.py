@@ -105,8 +105,8 @@ def test_a_second_fine_tune_on_a_folder_in_use_is_refused(workspace, tmp_path):
 
 @pytest.mark.parametrize("change, setting", [
     (dict(lr=5e-3), "lr"), (dict(adam_beta2=0.9), "adam_beta2"), (dict(weight_decay=0.1), "weight_decay"),
-    (dict(precision="bf16"), "precision"), (dict(steps=6), "steps"), (dict(seed=1), "seed"),
-    (dict(num_documents=3), "data"),
+    (dict(dtype="bf16"), "precision"), (dict(steps=6), "steps"), (dict(seed=1), "seed"),
+    (dict(documents=3), "data"),
 ])
 @pytest.mark.parametrize("which", ["latest", "step-000002"])
 def test_resuming_another_runs_checkpoint_is_refused_naming_the_setting(workspace, run_a, tmp_path, change, setting,

@@ -84,9 +84,9 @@ def test_loss_falls_on_a_learnable_corpus(workspace, tmp_path):
 
 
 def test_two_jobs_in_one_process_may_use_different_precisions(workspace, tmp_path):
-    first = finetune(**options(workspace, tmp_path / "bf16", steps=1, precision="bf16-mixed"))
-    second = finetune(**options(workspace, tmp_path / "fp32", steps=1, precision="fp32"))
-    third = finetune(**options(workspace, tmp_path / "again", steps=1, precision="fp32"))
+    first = finetune(**options(workspace, tmp_path / "bf16", steps=1, dtype="bf16-mixed"))
+    second = finetune(**options(workspace, tmp_path / "fp32", steps=1, dtype="fp32"))
+    third = finetune(**options(workspace, tmp_path / "again", steps=1, dtype="fp32"))
     assert first.losses[1] != second.losses[1] == third.losses[1]  # bf16 autocast really ran first, then fp32
 
 

@@ -10,7 +10,7 @@ import pytest
 from rope_patch.cli import parse
 from rope_patch.errors import RopePatchError
 from rope_patch.methods import RopeBase, parse_method_spec, resolve_params
-from rope_patch.methods.values import parse_bool, parse_number
+from rope_patch.values import parse_bool, parse_number
 
 BASE = RopeBase(rope_theta=10000.0, dim=64, native_length=4096)
 REFUSED = "refused"

@@ -1,0 +1,50 @@
+"""The options of ``rope-patch export`` (:class:`ExportConfig`); the job is :mod:`rope_patch.jobs.export`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from ...choices import AS_LOADED, GGUF_DTYPES, SERVING_ENGINES
+from ...errors import ConfigError
+from ..options import JobConfig, option
+from .sweep import MODEL_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
+
+RECORD = "rope_patch_export.json"  # marks a folder this job wrote (a rerun may replace it; a foreign one is refused)
+
+
+@dataclass
+class ExportConfig(JobConfig):
+    """What to export, for which engine, where. Field names are the ``rope-patch export`` options and YAML keys."""
+
+    command: ClassVar[str] = "export"
+
+    engine: str | None = option(None, "the serving engine: " + ", ".join(SERVING_ENGINES), choices=SERVING_ENGINES,
+                                required=True)
+    method: str = option(AS_LOADED, "method NAME[:key=value,...] or @file.json; 'as-loaded' exports the model as "
+                                    "loaded (a fine-tuned checkpoint with its scaling)", metavar="SPEC")
+    model: str | None = model_option(MODEL_HELP)
+    output: str | None = option(None, "the folder to write (the engine loads it as is); must be new, empty, or an "
+                                      "earlier export", metavar="DIR", required=True)
+    longrope_short_equals_long: bool = option(False, "LongRoPE: use the long factors at every length (engines pick "
+                                                     "one list per batch or context, not per length; vllm#27414)")
+    gguf_dtype: str = option("f32", "llama.cpp: the weights' type in the GGUF file", choices=GGUF_DTYPES)
+    native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
+    progress: bool = progress_option()
+
+    def validate(self) -> None:
+        from ...methods import parse_method_spec
+
+        if self.method != AS_LOADED:
+            parse_method_spec(self.method)
+        if self.output is not None:
+            check_output(Path(self.output))
+
+
+def check_output(folder: Path) -> None:
+    """A new or empty folder, or one this job wrote before; anything else is someone's data: refused."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"export: --output {folder} is a file; give a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / RECORD).is_file():
+        raise ConfigError(f"export: --output {folder} holds other files (no {RECORD}); give a new or empty folder")

@@ -1,0 +1,109 @@
+"""The options of ``rope-patch finetune`` (:class:`FinetuneConfig`); the job is :mod:`rope_patch.jobs.finetune`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...choices import KERNELS
+from ...errors import ConfigError
+from ..options import JobConfig, option
+from .sweep import KERNELS_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
+
+
+@dataclass
+class FinetuneConfig(JobConfig):
+    """Every choice of a fine-tuning run. Field names are the ``rope-patch finetune`` options and the YAML keys."""
+
+    command: ClassVar[str] = "finetune"
+
+    model: str | None = model_option("hub id or local folder of the model to extend (default: the embedded "
+                                     "SmolLM2-135M-Instruct)")
+    method: str = option("yarn:factor=2", "scaling applied before training, as a method spec, e.g. linear:factor=2 "
+                                            "or yarn:factor=16", metavar="SPEC", spec=True)
+    dataset: str | None = option(None, "training documents, the sources of 'rope-patch eval': a hub data set, a local "
+                                       "file or folder (default: the embedded stdlib corpus)")
+    seq_len: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
+                                 "tokens)", tokens=True)
+    pose_target_len: int | None = option(None, "PoSE: train for this window with --seq-len sequences whose chunks get "
+                                               "random position skips reaching up to it, e.g. 32k (default: off)",
+                                         tokens=True)
+    pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
+    native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
+    steps: int = option(200, "optimizer steps")
+    lr: float = option(2e-5, "peak learning rate (PI paper: 2e-5 for 7B/13B)")
+    batch_size: int = option(1, "sequences per process per micro-step")
+    grad_accum: int = option(1, "micro-steps per optimizer step (global batch = batch size x grad accum x processes)")
+    warmup_steps: int = option(20, "linear warm-up steps, starting from 10% of the learning rate")
+    schedule: str = option("constant", "learning rate after warm-up", choices=("constant", "cosine", "linear"))
+    weight_decay: float = option(0.0, "AdamW weight decay (PI paper: 0)")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.95, "AdamW beta2 (PI paper: 0.95)")
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this value (0: no clipping)")
+    seed: int = option(0, "seed for the data order, LoRA initialisation and every random generator")
+    lora: bool = option(False, "train LoRA adapters (peft) instead of every weight")
+    lora_rank: int = option(8, "LoRA rank r")
+    lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_targets: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"], "module names that get LoRA adapters "
+                                                                               "(comma-separated)", metavar="NAMES")
+    train_embeddings_and_norms: bool = option(False, "with --lora, also train the input embeddings and every norm (LongLoRA)")
+    save_adapter: bool = option(False, "with --lora, save the adapter and the extra trained weights instead of merging them")
+    gradient_checkpointing: bool = option(True, "recompute activations in the backward pass (much less memory, one "
+                                                "more forward pass of compute)")
+    # --dtype, as every other verb names it (and transformers' from_pretrained): one name per concept
+    dtype: str = option("auto", "the weights' dtype in training: auto (fp32 weights with bf16 mixed precision on a "
+                                "GPU, fp32 on CPU), bf16-mixed (the same on any device), bf16 (bf16 weights) or fp32",
+                        choices=("auto", "fp32", "bf16-mixed", "bf16"), aliases=("precision",))
+    attn_implementation: str | None = option(None, "attention kernel passed to transformers (e.g. sdpa, "
+                                                   "flash_attention_2, eager)")
+    kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
+    sequence_parallel: int = option(1, "split each sequence over N processes (DeepSpeed Ulysses; N divides the "
+                                       "processes of accelerate launch, data parallelism is the rest)", metavar="N")
+    output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/, relative "
+                                          "to the current folder", folder=True)
+    save_every: int = option(0, "save a resumable checkpoint every N steps (0: none, but Ctrl-C or SIGTERM still "
+                                "saves one to resume from)")
+    keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep (0: all)")
+    resume: str | None = option(None, "continue from a checkpoint folder, or 'latest' for this run's newest complete "
+                                      "one under OUTPUT/checkpoints (--resume alone means latest)", const="latest",
+                                metavar="CHECKPOINT")
+    log_every: int = option(1, "print and record a log line every N steps")
+    split: str = option("train", "split of a hub data set (slices work: train[:1000]); local files have one. eval's "
+                                 "default is test, so a fine-tune and its evaluation never share documents")
+    text_field: str = option("text", "field holding the text in .jsonl/.parquet files and hub data sets")
+    subset: str | None = option(None, "configuration name of a hub data set")
+    # --documents, as eval and search name the number of documents (before: --num-documents)
+    documents: int | None = option(None, "use at most this many documents, sampled with --seed (default: all)",
+                                   aliases=("num_documents",))
+    exclude_documents: list[str] = option([], "document ids kept out of training, e.g. those an evaluation will score "
+                                              "(comma-separated)", metavar="IDS")
+    progress: bool = progress_option()
+
+    def validate(self) -> None:
+        from ...kernels import check_kernels_available
+        from ...methods import frequency_and_attention, parse_method_spec
+
+        for name in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(self, name)!r}")
+        if self.lr <= 0 or self.warmup_steps < 0 or self.save_every < 0 or self.max_grad_norm < 0:
+            raise ConfigError("--lr must be positive and --warmup-steps, --save-every, --max-grad-norm not negative")
+        if self.keep_checkpoints < 0:
+            raise ConfigError(f"--keep-checkpoints must be 0 (keep all) or more, got {self.keep_checkpoints}")
+        if self.lora and not self.lora_targets:
+            raise ConfigError("--lora needs at least one module name in --lora-targets, e.g. q_proj,v_proj")
+        if (self.save_adapter or self.train_embeddings_and_norms) and not self.lora:
+            raise ConfigError("--save-adapter and --train-embeddings-and-norms only apply with --lora; add --lora or drop them")
+        if self.pose_target_len is not None and self.pose_target_len <= self.seq_len:
+            raise ConfigError(f"--pose-target-len {self.pose_target_len:,} must exceed --seq-len {self.seq_len:,}: PoSE "
+                              "trains a longer window than its sequences (drop it to train at --seq-len)")
+        if not 1 <= self.pose_chunks <= self.seq_len:
+            raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
+        parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
+        if self.sequence_parallel > 1 and frequency_and_attention(self.method)[1]:
+            raise ConfigError(f"--sequence-parallel cannot run {self.method}: its two-band attention is not the core "
+                              "attention Ulysses wraps; train a frequency method, add the attention method at eval")
+        if self.sequence_parallel > 1 and self.attn_implementation == "eager":
+            raise ConfigError("--sequence-parallel cannot use --attn-implementation eager, which builds a "
+                              "whole-sequence 4D mask; use sdpa (or flash_attention_2 on GPUs)")
+        check_kernels_available(self.kernels)

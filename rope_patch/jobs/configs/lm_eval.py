@@ -1,0 +1,89 @@
+"""The options of ``rope-patch lm-eval`` (:class:`LmEvalConfig`); the job is :mod:`rope_patch.jobs.lm_eval`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ...choices import LM_EVAL_ENGINES
+from ...errors import ConfigError
+from ..options import flag, option
+from .sweep import SweepConfig
+
+METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
+
+
+@dataclass
+class LmEvalConfig(SweepConfig):
+    """Every choice of an lm-eval run. Field names are the ``rope-patch lm-eval`` options and the YAML keys."""
+
+    command: ClassVar[str] = "lm-eval"
+    sequence_parallel_refusal: ClassVar[str | None] = "lm-evaluation-harness runs its own forward loop"
+
+    tasks: list[str] = option([], "lm-eval task, group or tag names, comma-separated, e.g. niah_single_1,ruler_vt",
+                              required=True)
+    include_path: str | None = option(None, "folder of task YAML files of your own (lm-eval's --include_path)")
+    max_length: int | None = option(None, "longest model input in tokens, and the window of rolling perplexity "
+                                          "(default: each length of max_seq_lengths, else the longest context the "
+                                          "methods extend to, factor × native length, the same for every method)",
+                                    tokens=True)
+    batch_size: int = option(1, "requests per forward (1 scores each document at its own length under dynamic methods)")
+    limit: float | None = option(None, "at most this many samples per task, per length in a length sweep (below 1: a "
+                                       "fraction); for quick runs, not for reported scores")
+    num_fewshot: int | None = option(None, "few-shot examples per prompt (default: the task's own)")
+    metadata: dict[str, Any] | None = option(None, f"JSON object handed to every task, e.g. {METADATA_EXAMPLE} for "
+                                                   "RULER: each length is then its own lm-eval run")
+    engine: str = option("hf", "what scores the patched model: hf (the patched transformers model, any method) or "
+                               "vllm (lm-eval's vllm model, static methods vLLM can express, checked first on a probe "
+                               "against hf)", choices=LM_EVAL_ENGINES)
+    tensor_parallel_size: int = option(1, "--engine vllm: GPUs one model is split across (vLLM tensor parallelism)")
+    data_parallel_size: int = option(1, "--engine vllm: model replicas scoring in parallel (vLLM data parallelism, "
+                                        "through ray)")
+    engine_tolerance: float | None = option(None, "--engine vllm: largest per-token |Δ log p| against hf allowed on "
+                                                  "the probe (default: 1e-3 on the worst token in fp32, 2e-2 on the "
+                                                  "mean in bf16/fp16)")
+    output: str | None = option("runs/lm_eval", "folder for lm-eval's results JSON per method, results.jsonl "
+                                                "(resumable), summary.csv/.json and score_vs_length.png, relative to "
+                                                "the current folder (none from Python with output=None)", folder=True)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.batch_size < 1 or (self.max_length is not None and self.max_length < 1):
+            raise ConfigError("--batch-size and --max-length must be positive whole numbers")
+        if self.limit is not None:
+            if self.limit <= 0:
+                raise ConfigError(f"--limit {self.limit:g}: give a positive number of samples, or a fraction below 1")
+            self.limit = int(self.limit) if self.limit >= 1 and self.limit == int(self.limit) else self.limit
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ConfigError(f"--num-fewshot {self.num_fewshot}: give 0 or more")
+        self.metadata = parse_metadata(self.metadata)
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size and --data-parallel-size must be positive whole numbers")
+        if self.engine == "hf" and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ConfigError("--tensor-parallel-size and --data-parallel-size go with --engine vllm")
+        if self.engine_tolerance is not None and not self.engine_tolerance > 0:
+            raise ConfigError(f"--engine-tolerance {self.engine_tolerance:g}: give a positive number, e.g. 1e-3")
+        if self.engine == "vllm":
+            from ...eval.sweep import method_entries
+            from ..engine_settings import check_servable
+
+            for entry in method_entries(None, self.method):
+                check_servable(entry, "vllm")
+            if self.kernels:
+                raise ConfigError("--kernels fuses the transformers forward; vLLM runs its own: drop --kernels "
+                                  "or use --engine hf")
+
+
+def parse_metadata(value: Any) -> dict[str, Any] | None:
+    """``--metadata`` as a dict: a JSON object from the command line, a mapping from YAML or Python."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{flag('metadata')} is not valid JSON ({error.msg} at character {error.pos}): give an "
+                          f"object such as {METADATA_EXAMPLE}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag('metadata')} {value!r}: give a JSON object such as {METADATA_EXAMPLE}")
+    return parsed

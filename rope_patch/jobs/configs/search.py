@@ -1,0 +1,87 @@
+"""The options of ``rope-patch search`` (:class:`SearchConfig`); the job is :mod:`rope_patch.jobs.search`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from ...errors import ConfigError
+from ..options import option
+from .eval import BOS_CHOICES, EVAL_SPLIT_HELP
+from .sweep import SweepConfig
+
+
+@dataclass
+class SearchConfig(SweepConfig):
+    """Every choice of a search. Field names are the ``rope-patch search`` options and the YAML keys."""
+
+    command: ClassVar[str] = "search"
+    sequence_parallel_refusal: ClassVar[str | None] = "the search scores its candidates in one process"
+
+    method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
+                                   "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",
+                               repeat=True, split=False, metavar="SPEC", spec=True)
+    target_length: int = option(16384, "the length the factors are searched for (beyond the native length), e.g. 16k",
+                                tokens=True)
+    factor: float | None = option(None, "scale factor s: LongRoPE's attention factor sqrt(1 + ln s / ln L), factors "
+                                        "within [1, 1 + s], YaRN's starting factors (default: target / native length)")
+    dataset: str | None = option(None, "documents, the sources of 'rope-patch eval' (default: the embedded corpus)")
+    split: str | None = option(None, EVAL_SPLIT_HELP)
+    subset: str | None = option(None, "configuration name of a hub data set, if it has several")
+    text_field: str = option("text", "field holding the text in .jsonl/.parquet/hub rows")
+    documents: int = option(5, "held-in documents: the fitness is their perplexity at the target length (LongRoPE: 5)")
+    heldout_documents: int = option(5, "held-out documents of the final table, never seen by the search (0: no table)")
+    heldout: list[str] = option([], "ids of the held-out documents (default: --heldout-documents sampled with --seed "
+                                    "from those not searched on)", metavar="IDS")
+    candidates: int | None = option(None, "budget: candidates to score (default: LongRoPE's full search, 64 + 40 x 32 "
+                                          "= 1,344); population, parents, mutations, crossovers and iterations not "
+                                          "given scale with it as LongRoPE's proportions")
+    iterations: int | None = option(None, "iterations after the starting population (LongRoPE: 40)")
+    population: int | None = option(None, "starting population: YaRN's factors and mutations of them (LongRoPE: 64)")
+    parents: int | None = option(None, "best candidates kept at each iteration (LongRoPE: 32)")
+    mutations: int | None = option(None, "new candidates per iteration by mutation (LongRoPE: 16)")
+    crossovers: int | None = option(None, "new candidates per iteration by crossover (LongRoPE: 16)")
+    mutation_probability: float = option(0.3, "probability that a mutation resamples a pair (LongRoPE: 0.3)")
+    crossover_probability: float = option(0.3, "probability that a crossover considers a pair (LongRoPE: 0.3)")
+    step: float = option(0.01, "grid of mutated factors (LongRoPE: 0.01)")
+    seed: int = option(0, "seed of the search and of the document sample")
+    bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer",
+                      choices=tuple(BOS_CHOICES))
+    loss_chunk: int = option(1024, "tokens per slice through the output head")
+    output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
+                                               "transformers_config.json, the table and plots, relative to the current folder (none "
+                                               "with output=None)",
+                                folder=True)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.documents < 1 or self.heldout_documents < 0 or self.loss_chunk < 1:
+            raise ConfigError("--documents and --loss-chunk must be positive, --heldout-documents not negative")
+        if self.factor is not None and self.factor <= 1:
+            raise ConfigError(f"--factor {self.factor}: give a scale factor above 1, or leave it out for "
+                              "target / native")
+        if self.candidates is not None and self.candidates < 1:
+            raise ConfigError(f"--candidates {self.candidates}: give a positive budget")
+        for name in ("iterations", "population", "parents", "mutations", "crossovers"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"--{name} {getattr(self, name)}: give a whole number, at least 0")
+        try:
+            self.evolution().check()
+        except Exception as error:
+            raise ConfigError(str(error)) from None
+
+    def evolution(self) -> Any:
+        """LongRoPE's settings (a :class:`~rope_patch.methods.evolution.Evolution`), scaled to --candidates, with the
+        sizes given replacing theirs."""
+        from ...methods.evolution import LONGROPE, scaled_to_budget
+
+        settings = scaled_to_budget(self.candidates) if self.candidates else LONGROPE
+        given = {k: getattr(self, k) for k in ("iterations", "population", "parents", "mutations", "crossovers")
+                 if getattr(self, k) is not None}
+        settings = replace(settings, **given, mutation_probability=self.mutation_probability,
+                           crossover_probability=self.crossover_probability, step=self.step)
+        if self.candidates and "iterations" not in given:  # enough iterations to spend the budget
+            per_iteration = settings.mutations + settings.crossovers
+            needed = -(-max(0, self.candidates - settings.population) // per_iteration) if per_iteration else 0
+            settings = replace(settings, iterations=needed)
+        return settings
