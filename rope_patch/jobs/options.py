@@ -186,7 +186,7 @@ class JobConfig:
             if spec.metadata.get("required") and value in (None, []):
                 choices = spec.metadata.get("choices")
                 what = f"one of {', '.join(choices)}" if choices else spec.metadata["help"]
-                raise ConfigError(f"{self.command}: give {flag(spec.name)}, {what}")
+                raise ConfigError(f"give {flag(spec.name)}: {what}")
 
     @classmethod
     def from_options(cls, config: JobConfig | None = None, **options: Any) -> JobConfig:

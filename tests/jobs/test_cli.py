@@ -159,9 +159,9 @@ def test_unknown_option_gets_the_verbs_usage_and_a_suggestion(capsys):
         "rope-patch eval: error: unknown option --documnets; did you mean --documents?",
         "usage: rope-patch eval [options]"]
     with pytest.raises(SystemExit):
-        main(["export", "--engin=vllm"])
+        main(["export", "--engyne=vllm"])
     assert capsys.readouterr().err.splitlines() == [
-        "rope-patch export: error: unknown option --engin; did you mean --engine?",
+        "rope-patch export: error: unknown option --engyne; did you mean --engine?",
         "usage: rope-patch export --engine ENGINE --output DIR [options]"]
     with pytest.raises(SystemExit):
         main(["passkey", "--zzzzzz"])
@@ -225,12 +225,13 @@ def test_renamed_options_still_work_and_warn_once(fresh_renames, tmp_path):
         FinetuneConfig.from_options(documents=1, num_documents=2)
 
 
+@pytest.mark.filterwarnings("default::rope_patch.jobs.options.RenamedOptionWarning")  # pyproject ignores FutureWarning
 def test_a_renamed_option_warns_in_one_line_on_the_command_line(fresh_renames, tmp_path, capsys):
-    assert main(["finetune", "--num-documents", "3", "--model", str(tmp_path / "missing")]) == 2
+    assert main(["finetune", "--num-documents", "3", "--model", str(tmp_path / "missing" / "model")]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "rope-patch finetune: warning: finetune --num-documents is now --documents (num_documents: → documents: in "
         "YAML, documents= in Python); the old name still works",
-        f"rope-patch finetune: error: no such folder {str(tmp_path / 'missing')!r}: it does not exist; give an "
+        f"rope-patch finetune: error: no such folder {str(tmp_path / 'missing' / 'model')!r}: it does not exist; give an "
         "existing model folder (with config.json) or a hub id such as HuggingFaceTB/SmolLM2-135M"]
 
 
