@@ -272,3 +272,14 @@ def test_a_factor_below_one_is_refused_in_one_line(spec, tiny_folder, capsys):
 def test_factor_one_is_still_the_model_unchanged(tiny_folder):
     """The lower bound is 1, not above it: factor=1 stays allowed (the identity, tests/methods' property)."""
     assert main(["inspect", str(tiny_folder[0]), "--method", "linear:factor=1"]) == 0
+
+
+def test_inspect_takes_its_model_as_every_verb_does(tmp_path):
+    """``rope-patch inspect MODEL`` and ``rope-patch inspect --model MODEL`` (as eval, passkey, ... take it) agree."""
+    assert parse(["inspect", "org/name"])[1].model == parse(["inspect", "--model", "org/name"])[1].model == "org/name"
+
+
+def test_passkey_engine_vllm_points_to_lm_eval(capsys):
+    """passkey's --help no longer offers vllm; asked for anyway, the refusal says what runs passkey through vLLM."""
+    assert main(["passkey", "--engine", "vllm"]) == 2
+    assert "rope-patch lm-eval --engine vllm --tasks niah_single_1" in capsys.readouterr().err
