@@ -37,7 +37,7 @@ class EvalConfig(SweepConfig):
                                        "lm-evaluation-harness's rolling windows, the number lm-eval reports",
                            choices=PROTOCOLS)
     stride: int = option(256, "stride of the sliding protocol")
-    documents: int | None = option(None, DOCUMENTS_HELP)
+    documents: int | None = option(None, DOCUMENTS_HELP, metavar="N")
     seed: int = option(0, "seed of the document sample")
     batch_size: int = option(1, "windows per forward")
     bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer, and under the disjoint "

@@ -74,7 +74,7 @@ class FinetuneConfig(JobConfig):
     subset: str | None = option(None, "configuration name of a hub data set")
     # --documents, as eval and search name the number of documents (before: --num-documents)
     documents: int | None = option(None, "use at most this many documents, sampled with --seed (default: all)",
-                                   aliases=("num_documents",))
+                                   metavar="N", aliases=("num_documents",))
     exclude_documents: list[str] = option([], "document ids kept out of training, e.g. those an evaluation will score "
                                               "(comma-separated)", metavar="IDS")
     progress: bool = progress_option()

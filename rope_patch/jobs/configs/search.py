@@ -29,7 +29,8 @@ class SearchConfig(SweepConfig):
     split: str | None = option(None, EVAL_SPLIT_HELP)
     subset: str | None = option(None, "configuration name of a hub data set, if it has several")
     text_field: str = option("text", "field holding the text in .jsonl/.parquet/hub rows")
-    documents: int = option(5, "held-in documents: the fitness is their perplexity at the target length (LongRoPE: 5)")
+    documents: int = option(5, "held-in documents: the fitness is their perplexity at the target length (LongRoPE: 5)",
+                            metavar="N")
     heldout_documents: int = option(5, "held-out documents of the final table, never seen by the search (0: no table)")
     heldout: list[str] = option([], "ids of the held-out documents (default: --heldout-documents sampled with --seed "
                                     "from those not searched on)", metavar="IDS")

@@ -28,8 +28,8 @@ KERNELS_HELP = ("fused Triton kernels: liger (liger-kernel's RMSNorm, SwiGLU and
                 "interpreter) or none")
 DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16")
 DTYPE_HELP = "the weights' dtype: auto (bf16 on a GPU and on CPUs with native bf16, fp32 elsewhere), bf16, fp32 or fp16"
-PROGRESS_HELP = ("show progress bars: rope_patch's and the libraries' (transformers' weight loading, datasets', "
-                 "lm-eval's); --no-progress hides them all")
+PROGRESS_HELP = ("show progress bars, rope_patch's and the libraries' (transformers' weight loading, the hub's, "
+                 "datasets', lm-eval's)")
 
 
 def model_option(help: str = MODEL_HELP, **kwargs: Any) -> Any:
