@@ -38,16 +38,18 @@ def check_model_name(name: str | os.PathLike) -> None:
     is a folder here (``runs/my-checkpoint`` with a ``runs/`` folder in the current one: a typo in a checkpoint's name,
     not a hub id)."""
     text = os.fspath(name)
-    if Path(text).exists():
+    if "\0" in text:
+        raise ModelNotFoundError(f"model {text!r} holds a NUL character; give the name or folder without it")
+    if os.path.exists(text):  # os.path's answers are False, not an exception, for a name too long to exist
         return
     first = text.split("/", 1)[0]
     local = (text.startswith((".", "/", "~")) or "\\" in text or text.endswith("/") or text.count("/") > 1
-             or (text.count("/") == 1 and first and Path(first).is_dir()))
+             or (text.count("/") == 1 and first and os.path.isdir(first)))
     if not local:
         return
     parent = Path(text.rstrip("/")).parent
     where = (f" ({str(parent)!r} is a folder here, but holds no {Path(text).name!r})"
-             if str(parent) not in ("", ".") and parent.is_dir() else "")
+             if str(parent) not in ("", ".") and os.path.isdir(parent) else "")
     raise ModelNotFoundError(f"no such folder {text!r}: it does not exist{where}; give an existing model folder (with "
                              f"config.json) or a hub id such as {HUB_ID_EXAMPLE}")
 

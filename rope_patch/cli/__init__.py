@@ -24,7 +24,7 @@ from ..choices import AS_LOADED, BUILT_IN_METHODS
 from ..errors import RopePatchError
 from ..hub import progress_bars
 from ..jobs import JOBS, Job
-from ..jobs.options import JobConfig, RenamedOptionWarning
+from ..jobs.options import JobConfig, RenamedOptionWarning, renamed
 from .arguments import add_config_arguments, usage
 
 
@@ -85,11 +85,10 @@ def parse(argv: list[str] | None = None) -> tuple[Job, JobConfig]:
             sub.error(f"unknown option {first.split('=', 1)[0]}{did_you_mean(sub.suggestions, first)}")
         sub.error(f"unexpected argument {first!r}")
     job = JOBS[verb]
-    options = job.config.read_yaml(given.pop("config")) if "config" in given else {}
-    options.update(given)
-    config = job.config.from_options(**options)
-    config.check_required()
-    return job, config
+    from_yaml = job.config.read_yaml(given.pop("config")) if "config" in given else {}  # earlier names read there
+    options = {**from_yaml, **renamed(job.config, given)}  # flags override YAML, whichever name either used
+    job.config.check_runnable(options)  # a missing folder or option now, before the config's checks import torch
+    return job, job.config.from_options(**options)
 
 
 def run(argv: list[str] | None = None) -> object:

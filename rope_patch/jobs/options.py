@@ -177,10 +177,16 @@ class JobConfig:
 
     def check_required(self) -> None:
         """What a run needs, checked when the job is about to run, not when the config is built (a saved config may
-        name a model a fine-tune has yet to write): the options declared ``required`` given, and a ``model`` that is
-        a local-looking path existing (else "no such folder" now, not a hub lookup that retries for half a minute)."""
-        for spec in dataclasses.fields(self):
-            value = getattr(self, spec.name)
+        name a model a fine-tune has yet to write): see :meth:`check_runnable`."""
+        self.check_runnable({spec.name: getattr(self, spec.name) for spec in dataclasses.fields(self)})
+
+    @classmethod
+    def check_runnable(cls, options: Mapping[str, Any]) -> None:
+        """The options declared ``required`` given, and a ``model`` that is a local-looking path existing: "no such
+        folder" now, not after a hub lookup that retries for half a minute. The command line checks ``options`` as
+        given, before the config is built (building it imports torch for the method checks: seconds)."""
+        for spec in dataclasses.fields(cls):
+            value = options.get(spec.name)
             if spec.metadata.get("model") and isinstance(value, (str, os.PathLike)):
                 check_model_name(value)
             if spec.metadata.get("required") and value in (None, []):

@@ -235,19 +235,20 @@ def test_a_renamed_option_warns_in_one_line_on_the_command_line(fresh_renames, t
         "existing model folder (with config.json) or a hub id such as HuggingFaceTB/SmolLM2-135M"]
 
 
+@pytest.mark.parametrize("verb", ["inspect", "eval"])
 @pytest.mark.parametrize("name", ["./x", "runs/my-checkpoint", "runs/deeper/one", "/no/such/folder", "~/none", "x/"])
-def test_a_missing_local_folder_is_refused_before_any_hub_lookup(name, tmp_path):
-    """In a fresh process, in a folder holding runs/: the refusal comes before transformers is even imported, so no
-    hub lookup can have happened (it took 36 s, then reported a failed connection)."""
+def test_a_missing_local_folder_is_refused_before_any_hub_lookup(verb, name, tmp_path):
+    """In a fresh process, in a folder holding runs/: the refusal comes before torch or transformers is even imported,
+    so no hub lookup can have happened (it took 36 s, then reported a failed connection) and nothing waits."""
     (tmp_path / "runs").mkdir()
     result = run_python(
         "import sys\n"
         "from rope_patch.cli import main\n"
-        f"code = main(['inspect', {name!r}])\n"
-        "print(code, 'transformers' in sys.modules)\n", tmp_path)
-    assert result.stdout.split() == ["2", "False"], result.stderr
+        f"code = main([{verb!r}, '--model', {name!r}])\n"
+        f"print(code, sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n", tmp_path)
+    assert result.stdout.strip() == "2 []", result.stderr
     (line,) = result.stderr.splitlines()
-    assert line.startswith(f"rope-patch inspect: error: no such folder {name!r}: it does not exist")
+    assert line.startswith(f"rope-patch {verb}: error: no such folder {name!r}: it does not exist")
     if name == "runs/my-checkpoint":
         assert "('runs' is a folder here, but holds no 'my-checkpoint')" in line
 
@@ -283,3 +284,10 @@ def test_passkey_engine_vllm_points_to_lm_eval(capsys):
     """passkey's --help no longer offers vllm; asked for anyway, the refusal says what runs passkey through vLLM."""
     assert main(["passkey", "--engine", "vllm"]) == 2
     assert "rope-patch lm-eval --engine vllm --tasks niah_single_1" in capsys.readouterr().err
+
+
+def test_a_flag_overrides_yaml_whichever_name_each_used(fresh_renames, tmp_path):
+    yaml_file = tmp_path / "old.yaml"
+    yaml_file.write_text("num_documents: 2\n")
+    with pytest.warns(RenamedOptionWarning):
+        assert parse(["finetune", "--config", str(yaml_file), "--documents", "5"])[1].documents == 5

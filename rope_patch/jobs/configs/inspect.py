@@ -22,7 +22,7 @@ class InspectConfig(JobConfig):
     progress: bool = progress_option()
 
     def validate(self) -> None:
-        from ...methods import parse_method_spec
-
         if self.method is not None:
+            from ...methods import parse_method_spec  # torch: only where there is a spec to read
+
             parse_method_spec(self.method)
