@@ -61,3 +61,19 @@ def test_a_verb_prints_no_third_party_warning(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "none" in result.stdout
     assert not [line for line in result.stderr.splitlines() if "warn" in line.lower()], result.stderr
+
+
+def test_passkey_past_the_native_length_prints_no_generation_reminder(tmp_path):
+    """``rope-patch passkey`` at 300 tokens on a model whose max_position_embeddings is 64, in a fresh process:
+    transformers' "friendly reminder" that the generation passes it is not shown (the evaluation does so on purpose),
+    nor any other library warning."""
+    build_model(tiny_llama_config(max_position_embeddings=64)).save_pretrained(tmp_path / "tiny")
+    make_char_tokenizer().save_pretrained(tmp_path / "tiny")
+    result = run_python(
+        "from rope_patch.cli import main\n"
+        "main(['passkey', '--model', 'tiny', '--lengths', '300', '--depths', '0.5', '--trials', '1',\n"
+        "      '--max-new-tokens', '2', '--method', 'none', '--output', 'out', '--no-progress'])\n", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "passkey accuracy" in result.stdout
+    assert "friendly reminder" not in result.stderr
+    assert result.stderr.strip() == "", result.stderr
