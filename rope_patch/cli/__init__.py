@@ -18,6 +18,7 @@ import shlex
 import sys
 import typing
 import warnings
+from typing import Any
 
 from .. import __version__
 from ..choices import AS_LOADED, BUILT_IN_METHODS
@@ -72,6 +73,13 @@ def did_you_mean(options: list[str], given: str) -> str:
 def parse(argv: list[str] | None = None) -> tuple[Job, JobConfig]:
     """The verb's job and its config: the dataclass defaults, overridden by a ``--config`` YAML file, overridden by
     the flags given."""
+    job, options = parse_options(argv)
+    return job, job.config.from_options(**options)
+
+
+def parse_options(argv: list[str] | None = None) -> tuple[Job, dict[str, Any]]:
+    """The verb's job and the options ``argv`` gives it (a ``--config`` file's, then the flags'), earlier names
+    replaced by the fields' (and told once), before the config is built."""
     parser = build_parser()
     namespace, extras = parser.parse_known_args(argv)
     given = vars(namespace)
@@ -86,14 +94,15 @@ def parse(argv: list[str] | None = None) -> tuple[Job, JobConfig]:
         sub.error(f"unexpected argument {first!r}")
     job = JOBS[verb]
     from_yaml = job.config.read_yaml(given.pop("config")) if "config" in given else {}  # earlier names read there
-    options = {**from_yaml, **renamed(job.config, given)}  # flags override YAML, whichever name either used
-    job.config.check_runnable(options)  # a missing folder or option now, before the config's checks import torch
-    return job, job.config.from_options(**options)
+    return job, {**from_yaml, **renamed(job.config, given)}  # flags override YAML, whichever name either used
 
 
 def run(argv: list[str] | None = None) -> object:
-    """Run the job ``argv`` asks for; returns its result."""
-    job, config = parse(argv)
+    """Run the job ``argv`` asks for; returns its result. A missing model folder or required option is refused
+    before the config is built (its method checks import torch: seconds), so at once."""
+    job, options = parse_options(argv)
+    job.config.check_runnable(options)
+    config = job.config.from_options(**options)
     with progress_bars(getattr(config, "progress", True)):
         return job.run(config)
 

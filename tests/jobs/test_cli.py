@@ -291,3 +291,12 @@ def test_a_flag_overrides_yaml_whichever_name_each_used(fresh_renames, tmp_path)
     yaml_file.write_text("num_documents: 2\n")
     with pytest.warns(RenamedOptionWarning):
         assert parse(["finetune", "--config", str(yaml_file), "--documents", "5"])[1].documents == 5
+
+
+@pytest.mark.parametrize("argv, message", [(["export", "--engine", "vllm"], "give --output: the folder to write"),
+                                           (["export", "--output", "x"], "give --engine: one of transformers"),
+                                           (["lm-eval"], "give --tasks: lm-eval task")])
+def test_a_missing_required_option_is_refused_in_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert message in line
