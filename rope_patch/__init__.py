@@ -12,6 +12,7 @@ right scaling.
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ConfigError,
@@ -25,7 +26,6 @@ from .errors import (
     UnknownMethodError,
     UnsupportedModelError,
 )
-from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported on first use (below): they import torch and transformers, which --help does without
     from .eval.passkey import evaluate_passkey
