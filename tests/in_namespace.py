@@ -3,7 +3,7 @@ on a small tmpfs mounted in a user namespace (``unshare --user --map-root-user -
 test, and report back each command's exit code, its stderr and the files on the tmpfs.
 
 A step is ``["cli", argv]`` (``{mount}`` in an argument is the tmpfs), ``["remount_ro"]`` (the tmpfs becomes
-read-only) or ``["fill", name, free_bytes]`` (a file that leaves about ``free_bytes`` free). Where user namespaces are
+read-only), ``["fill", name, free_bytes]`` (a file that leaves about ``free_bytes`` free) or ``["remove", name]``. Where user namespaces are
 not permitted, :func:`namespace_refusal` says why and the tests skip.
 """
 
@@ -77,6 +77,8 @@ def _inside(plan: dict) -> None:
             free = shutil.disk_usage(mount).free
             with open(mount / step[1], "wb") as f:
                 f.write(b"\0" * max(free - step[2], 0))
+        elif step[0] == "remove":
+            (mount / step[1]).unlink()
         results.append({"code": code, "stderr": err.getvalue(), "files": files_on(mount)})
     print(RESULT + json.dumps(results), flush=True)
 
