@@ -68,7 +68,7 @@ OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)|code: (\d+)")  # how Rust (saf
 def write_error(error: BaseException, path: str | os.PathLike, needed: int) -> RopePatchError | None:
     """The one-line error for a failed write of ``path``: a full disk, however the writer reports it (``OSError``;
     safetensors' ``SafetensorError`` and torch's ``RuntimeError`` carry the system's error number in their message, or
-    say only that the write failed while the disk has less free space than the write needs), or any other system
+    fail while the disk has less free space left than the write needs), or any other system
     error (a read-only file system, no permission). None for an error that is not about writing (a bug: raised)."""
     path = Path(path)
     number = error.errno if isinstance(error, OSError) else None
@@ -76,7 +76,7 @@ def write_error(error: BaseException, path: str | os.PathLike, needed: int) -> R
         found = OS_ERROR_NUMBER.search(str(error))
         if found:
             number = int(found.group(1) or found.group(2))
-        elif "write" in str(error).lower():  # torch: "file write failed", "unexpected pos"
+        else:  # torch: "file write failed", "unexpected pos 236864 vs 236756", "iostream error"
             try:
                 if shutil.disk_usage(nearest_folder(path)).free < needed:
                     number = errno.ENOSPC
