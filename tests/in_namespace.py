@@ -44,7 +44,9 @@ def run_on_tmpfs(mount: Path, size: str, steps: list, timeout: int = 600) -> lis
     run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", size,
                           str(mount), sys.executable, __file__, json.dumps({"mount": str(mount), "steps": steps})],
                          capture_output=True, text=True, timeout=timeout,
-                         env=os.environ | {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})
+                         env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"),
+                                                                                       str(ROOT)])),
+                                           "TOKENIZERS_PARALLELISM": "false"})
     lines = [line for line in run.stdout.splitlines() if line.startswith(RESULT)]
     assert run.returncode == 0 and lines, f"the namespace run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     return json.loads(lines[-1][len(RESULT):])

@@ -95,13 +95,16 @@ def test_kill_9_at_seeded_moments_leaves_a_whole_export(tiny_folder, tmp_path):
     child.join(300)
     whole = time.monotonic() - started
     rng = random.Random(7)
-    for _ in range(8):
-        child = run_child(context, new)
+    holds = "new"
+    for _ in range(8):  # each killed export writes the other one of the two
+        child = run_child(context, old if holds == "new" else new)
         time.sleep(rng.uniform(0, whole))
         os.kill(child.pid, signal.SIGKILL)
         child.join(300)
-        assert files_on(out) in (old_files, new_files)
-        assert main(old) == 0 and files_on(out) == old_files and hidden_siblings(out) == []
+        found = files_on(out)
+        assert found in (old_files, new_files)
+        holds = "new" if found == new_files else "old"
+    assert main(old) == 0 and files_on(out) == old_files and hidden_siblings(out) == []
 
 
 def test_a_second_export_on_a_busy_folder_is_refused_in_one_line(tiny_folder, tmp_path, capsys):
