@@ -168,6 +168,18 @@ def sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def sync_files(folder: Path) -> dict[str, int]:
+    """fsync every file under ``folder`` and the folder itself; returns each file's size (relative names)."""
+    sizes: dict[str, int] = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
+    sync_folder(folder)
+    return sizes
+
+
 def make_folder(folder: str | os.PathLike) -> Path:
     """Create an output folder (and its parents), refusing in one line a path that is a file."""
     folder = Path(folder)

@@ -18,7 +18,8 @@ from ..eval.sweep import AS_LOADED
 from ..export import ENGINES, served_rope, serving_settings
 from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command
 from ..export.gguf import GGUF_DTYPES, GgufRope, write_gguf
-from ..files import LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_folder, write_error
+from ..files import (LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_files, sync_folder,
+                     write_error)
 from ..loading import model_path
 from ..methods import parse_method_spec
 from ..patching import patch
@@ -173,15 +174,6 @@ def remove_leftovers(folder: Path) -> None:
     a sibling held that lock, so none of them is still running)."""
     for leftover in leftovers(folder):
         shutil.rmtree(leftover, ignore_errors=True)
-
-
-def sync_files(folder: Path) -> None:
-    """Every file written, then the folder, durable before the swap makes them the export."""
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    sync_folder(folder)
 
 
 def _swap_into_place(tmp: Path, folder: Path) -> bool:

@@ -24,7 +24,7 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from ..errors import ConfigError, DiskFullError, RopePatchError
-from ..files import FolderLock, readable_files, sync_folder, write_error
+from ..files import FolderLock, readable_files, sync_files, sync_folder, write_error
 
 MARKER = "checkpoint.json"  # the key, the step and the file sizes: written last, so its presence means complete
 STEP_FOLDER = re.compile(r"step-(\d+)")
@@ -204,18 +204,6 @@ def state_bytes(accelerator) -> int:
             elif isinstance(item, (list, tuple)):
                 stack.extend(item)
     return total
-
-
-def sync_files(folder: Path) -> dict[str, int]:
-    """fsync every file under ``folder`` and the folder itself; returns each file's size (relative names)."""
-    sizes: dict[str, int] = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-            sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
-    sync_folder(folder)
-    return sizes
 
 
 def disk_full(error: BaseException, folder: Path, needed: int) -> bool:
