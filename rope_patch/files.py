@@ -40,6 +40,8 @@ except ImportError:  # not POSIX: no lock (one process per folder is then the us
 
 LOCK_NAME = ".rope-patch.lock"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL_REASONS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+                     errno.EFBIG: "the file size limit (ulimit -f) is reached"}
 
 
 def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> DiskFullError | None:
@@ -51,12 +53,7 @@ def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> Dis
         free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
     except OSError:
         free = "free space unknown"
-    if error.errno == errno.EFBIG:
-        reason = "the file size limit (ulimit -f) is reached"
-    elif error.errno == errno.EDQUOT:
-        reason = "the disk quota is exceeded"
-    else:
-        reason = "no space left on the device"
+    reason = DISK_FULL_REASONS[error.errno]
     return DiskFullError(f"cannot write {path.name} in {path.parent}: {reason} ({free}; at least {needed:,} more "
                          "bytes needed); finished results are kept: free some space and rerun the same command "
                          "to resume")
@@ -65,23 +62,45 @@ def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> Dis
 OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)|code: (\d+)")  # how Rust (safetensors) reports a system error
 
 
+def write_error_number(error: BaseException, path: str | os.PathLike, needed: int) -> int | None:
+    """The system error behind a failed write of ``path``, however the writer reports it: ``OSError``; safetensors'
+    ``SafetensorError`` and torch's ``RuntimeError`` carry the number in their message ("(os error 28)"), or fail
+    while the disk has less free space left than the write needs (ENOSPC then). None: not a failed write (a bug)."""
+    if isinstance(error, OSError):
+        return error.errno
+    if type(error).__name__ not in ("SafetensorError", "RuntimeError"):
+        return None
+    found = OS_ERROR_NUMBER.search(str(error))
+    if found:
+        return int(found.group(1) or found.group(2))
+    try:  # torch: "file write failed", "unexpected pos 236864 vs 236756", "iostream error"
+        return errno.ENOSPC if shutil.disk_usage(nearest_folder(Path(path))).free < needed else None
+    except OSError:
+        return None
+
+
+def write_problem(error: BaseException, path: str | os.PathLike,
+                  needed: int) -> tuple[type[RopePatchError], str] | None:
+    """A failed write as the error class and a short reason for a job's own message: ``DiskFullError`` and "no space
+    left on the device (1,024 bytes free, about 4,096 needed)", or ``ConfigError`` and "Read-only file system";
+    None where the error is not a failed write."""
+    number = write_error_number(error, path, needed)
+    if number is None:
+        return None
+    if number not in DISK_FULL:
+        return ConfigError, os.strerror(number)
+    try:
+        free = f"{shutil.disk_usage(nearest_folder(Path(path))).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFullError, f"{DISK_FULL_REASONS[number]} ({free}, about {needed:,} needed)"
+
+
 def write_error(error: BaseException, path: str | os.PathLike, needed: int) -> RopePatchError | None:
-    """The one-line error for a failed write of ``path``: a full disk, however the writer reports it (``OSError``;
-    safetensors' ``SafetensorError`` and torch's ``RuntimeError`` carry the system's error number in their message, or
-    fail while the disk has less free space left than the write needs), or any other system
-    error (a read-only file system, no permission). None for an error that is not about writing (a bug: raised)."""
-    path = Path(path)
-    number = error.errno if isinstance(error, OSError) else None
-    if number is None and type(error).__name__ in ("SafetensorError", "RuntimeError"):
-        found = OS_ERROR_NUMBER.search(str(error))
-        if found:
-            number = int(found.group(1) or found.group(2))
-        else:  # torch: "file write failed", "unexpected pos 236864 vs 236756", "iostream error"
-            try:
-                if shutil.disk_usage(nearest_folder(path)).free < needed:
-                    number = errno.ENOSPC
-            except OSError:
-                pass
+    """The one-line error for a failed write of ``path`` (see :func:`write_error_number`): a full disk as
+    :func:`disk_full_error` words it, any other system error (a read-only file system, no permission) naming the
+    path; None for an error that is not a failed write."""
+    number = write_error_number(error, path, needed)
     if number is None:
         return None
     if number in DISK_FULL:

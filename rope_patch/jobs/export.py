@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DiskFullError
 from ..eval.sweep import AS_LOADED
 from ..export import ENGINES, served_rope, serving_settings
 from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command
 from ..export.gguf import GGUF_DTYPES, GgufRope, write_gguf
 from ..files import (LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_files, sync_folder,
-                     write_error)
+                     write_problem)
 from ..loading import model_path
 from ..methods import parse_method_spec
 from ..patching import patch
@@ -146,10 +146,12 @@ def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: Servi
                     (place / LOCK_NAME).unlink(missing_ok=True)
                     with contextlib.suppress(OSError):
                         place.rmdir()
-            refusal = write_error(error, folder, needed) if isinstance(error, Exception) else None
-            if refusal is None:
+            problem = write_problem(error, place.parent, needed) if isinstance(error, Exception) else None
+            if problem is None:
                 raise
-            raise type(refusal)(f"export: {refusal} (the earlier contents of {folder} are kept)") from None
+            kind, reason = problem
+            raise kind(f"export: cannot write {folder}: {reason}; what it held before is kept as it was: "
+                       f"{'free some space' if kind is DiskFullError else 'fix the folder'} and rerun") from None
         shutil.rmtree(tmp, ignore_errors=True)  # the earlier export, swapped out
         return ExportResult(folder, settings, label, plan, sorted(p.name for p in folder.iterdir()
                                                                    if p.name != LOCK_NAME))

@@ -24,7 +24,7 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from ..errors import ConfigError, DiskFullError, RopePatchError
-from ..files import FolderLock, readable_files, sync_files, sync_folder, write_error
+from ..files import FolderLock, readable_files, sync_files, sync_folder, write_error, write_problem
 
 MARKER = "checkpoint.json"  # the key, the step and the file sizes: written last, so its presence means complete
 STEP_FOLDER = re.compile(r"step-(\d+)")
@@ -354,14 +354,15 @@ def save_final_model_resumably(accelerator, model, tokenizer, output: Path, *, s
     try:
         model = save_final_model(accelerator, model, tokenizer, output, lora=lora, save_adapter=save_adapter)
     except Exception as error:
-        refusal = write_error(error, output, needed)
-        if refusal is None:
+        problem = write_problem(error, output, needed)
+        if problem is None:
             raise
+        kind, reason = problem
         newest = newest_checkpoint(output, key)
         kept = (f"the checkpoint of step {newest.step} ({newest.folder}) is kept: free some space and rerun with "
                 "--resume latest to finish" if newest is not None else
                 "no checkpoint could be kept: free some space and run again (add --save-every N to keep checkpoints)")
-        raise type(refusal)(f"cannot write the final model: {refusal}; {kept}") from None
+        raise kind(f"cannot write the final model in {output}: {reason}; {kept}") from None
     if resume_point is not None and accelerator.is_main_process:  # the final model replaces it
         doomed = resume_point.with_name(f".old-{resume_point.name}")
         resume_point.rename(doomed)
