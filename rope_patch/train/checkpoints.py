@@ -228,6 +228,7 @@ def save_checkpoint(accelerator, output: Path, step: int, keep: int, key: dict[s
         accelerator.save_state(str(temporary))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            readable_files(temporary)  # accelerate's model.safetensors is 0600, like every safetensors file
             files = sync_files(temporary)
             marker = {"step": step, "key": as_json(key), "files": files}
             with open(temporary / MARKER, "w") as handle:
