@@ -48,6 +48,8 @@ def test_the_final_weights_are_readable_by_other_users(reference):
     modes = {p.name: p.stat().st_mode & 0o777 for p in reference["output"].iterdir() if p.is_file()
              and not p.name.startswith(".")}
     assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+    checkpoint = reference["output"] / "checkpoints" / "step-000001"
+    assert {p.stat().st_mode & 0o777 for p in checkpoint.iterdir()} == {0o644}
     assert not (reference["output"] / "checkpoints" / "step-000002").exists()  # the last step's: replaced
 
 
