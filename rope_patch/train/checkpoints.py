@@ -333,7 +333,6 @@ def save_final_model(accelerator, model, tokenizer, output: Path, *, lora: bool,
         raise failed
     if accelerator.is_main_process:
         accelerator.print(f"saved the fine-tuned model to {output}")
-    accelerator.end_training()
     return model
 
 
@@ -369,4 +368,5 @@ def save_final_model_resumably(accelerator, model, tokenizer, output: Path, *, s
         resume_point.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # trackers closed, the process group let go: after the last collective call
     return model

@@ -58,8 +58,12 @@ def last_line(step: dict) -> str:
     return step["stderr"].strip().splitlines()[-1]
 
 
-@pytest.mark.skipif(namespace_refusal() is not None, reason=str(namespace_refusal()))
-def test_a_full_disk_at_each_write_is_one_line_and_loses_no_checkpoint(workspace, reference, tmp_path):
+@pytest.fixture(scope="module")
+def full_disk(workspace, reference, tmp_path_factory) -> dict[str, dict]:
+    """Each write of a fine-tune on a real full disk: one 64 MiB tmpfs, filled before each run to leave the room the
+    scenario needs (one Python process for all of them: the tests below read its results)."""
+    if namespace_refusal() is not None:
+        pytest.skip(namespace_refusal())
     checkpoint, final = reference["checkpoint"], reference["final"]
     slack = 16 * PAGE  # the log, the saved config, pages half used
     steps = [
@@ -73,31 +77,50 @@ def test_a_full_disk_at_each_write_is_one_line_and_loses_no_checkpoint(workspace
         ["cli", argv(workspace, "{mount}/final")],
         ["remove", "fill"],
         ["cli", argv(workspace, "{mount}/final", resume="latest")],
+        # the final model: room for neither
+        ["fill", "fill", final // 3 + slack],
+        ["cli", argv(workspace, "{mount}/none")],
+        ["remove", "fill"],
         # the log: no room at all
         ["fill", "fill", 0],
         ["cli", argv(workspace, "{mount}/log")],
     ]
-    results = run_on_tmpfs(tmp_path / "disk", "64m", steps)
-    _, ckpt_full, _, ckpt_resumed, _, final_full, _, final_resumed, _, log_full = results
+    results = run_on_tmpfs(tmp_path_factory.mktemp("full") / "disk", "64m", steps)
+    names = ["", "ckpt_full", "", "ckpt_resumed", "", "final_full", "", "final_resumed", "", "none_full", "", "",
+             "log_full"]
+    return {name: result for name, result in zip(names, results) if name}
 
-    line = last_line(ckpt_full)
+
+def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_resumes(full_disk):
+    line = last_line(full_disk["ckpt_full"])
     assert "no space left to save the checkpoint of step 2" in line and "--resume latest" in line
-    saved = {name.split("/")[2] for name in ckpt_full["files"] if name.startswith("ckpt/checkpoints/")}
+    saved = {name.split("/")[2] for name in full_disk["ckpt_full"]["files"] if name.startswith("ckpt/checkpoints/")}
     assert saved == {"step-000001"}
-    assert ckpt_resumed["code"] == 0, ckpt_resumed["stderr"][-3000:]
+    assert full_disk["ckpt_resumed"]["code"] == 0, full_disk["ckpt_resumed"]["stderr"][-3000:]
 
-    line = last_line(final_full)
+
+def test_a_full_disk_at_the_final_save_leaves_the_last_step_resumable(full_disk, reference):
+    line = last_line(full_disk["final_full"])
     assert "cannot write the final model" in line and "no space left" in line and "step 2" in line
     assert "--resume latest" in line
-    left = final_full["files"]
+    left = full_disk["final_full"]["files"]
     assert "final/config.json" not in left and "final/model.safetensors" not in left  # no half model
     assert "final/checkpoints/step-000002/checkpoint.json" in left  # the last step, resumable
-    assert final_resumed["code"] == 0, final_resumed["stderr"][-3000:]
-    finished = final_resumed["files"]
-    assert finished["final/model.safetensors"] == reference["files"]["model.safetensors"]  # the uninterrupted weights
-    assert not any(name.startswith("final/checkpoints/step-000002") for name in finished)
+    resumed = full_disk["final_resumed"]
+    assert resumed["code"] == 0, resumed["stderr"][-3000:]
+    assert resumed["files"]["final/model.safetensors"] == reference["files"]["model.safetensors"]  # uninterrupted
+    assert not any(name.startswith("final/checkpoints/step-000002") for name in resumed["files"])
 
-    line = last_line(log_full)
+
+def test_a_full_disk_with_room_for_nothing_is_one_line_and_no_half_model(full_disk):
+    line = last_line(full_disk["none_full"])
+    assert "cannot write the final model" in line and "no space left" in line
+    assert not [name for name in full_disk["none_full"]["files"] if name.startswith("none/") and
+                name.split("/")[1] in ("config.json", "model.safetensors")]
+
+
+def test_a_full_disk_at_the_log_is_one_line(full_disk):
+    line = last_line(full_disk["log_full"])
     assert "no space left" in line and "train_log.csv" in line
 
 
