@@ -112,7 +112,7 @@ def test_a_second_export_on_a_busy_folder_is_refused_in_one_line(tiny_folder, tm
     out = tmp_path / "out"
     assert main(export_argv(model, out, "linear:factor=2")) == 0
     before = files_on(out)
-    holder = os.open(out / LOCK_NAME, os.O_RDWR)
+    holder = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     os.pwrite(holder, b"rope-patch export (pid 4242 on host, since now)\n", 0)
     fcntl.flock(holder, fcntl.LOCK_EX)  # a lock of its own: as another process's export holds it
     try:
