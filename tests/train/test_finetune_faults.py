@@ -67,8 +67,8 @@ def full_disk(workspace, reference, tmp_path_factory) -> dict[str, dict]:
     checkpoint, final = reference["checkpoint"], reference["final"]
     slack = 16 * PAGE  # the log, the saved config, pages half used
     steps = [
-        # a checkpoint: room for one of them, not two
-        ["fill", "fill", checkpoint + checkpoint // 2 + slack],
+        # a checkpoint: room for one, not for the weights of a second (safetensors' SafetensorError)
+        ["fill", "fill", checkpoint + final // 2 + slack],
         ["cli", argv(workspace, "{mount}/ckpt", save_every=1, steps=4)],
         ["remove", "fill"],
         ["cli", argv(workspace, "{mount}/ckpt", save_every=1, steps=4, resume="latest")],
