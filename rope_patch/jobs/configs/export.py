@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from ...choices import AS_LOADED, GGUF_DTYPES, SERVING_ENGINES
 from ...errors import ConfigError
+from ...files import LOCK_NAME
 from ..options import JobConfig, option
 from .sweep import MODEL_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
 
@@ -46,5 +47,5 @@ def check_output(folder: Path) -> None:
     """A new or empty folder, or one this job wrote before; anything else is someone's data: refused."""
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"export: --output {folder} is a file; give a folder")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / RECORD).is_file():
+    if folder.is_dir() and any(p.name != LOCK_NAME for p in folder.iterdir()) and not (folder / RECORD).is_file():
         raise ConfigError(f"export: --output {folder} holds other files (no {RECORD}); give a new or empty folder")
