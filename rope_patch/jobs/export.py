@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 from ..errors import ConfigError, RopePatchError
 from ..eval.sweep import AS_LOADED
 from ..export import ENGINES, served_rope, serving_settings
-from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command
-from ..export.gguf import GGUF_DTYPES, GgufRope, write_gguf
+from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command, rope_settings
+from ..export.gguf import GGUF_DTYPES, GgufRetag, GgufRope, check_same_rope, plan_retag, retag_gguf, write_gguf
 from ..loading import model_path
 from ..methods import parse_method_spec
 from ..patching import patch
@@ -38,7 +38,12 @@ class ExportConfig(JobConfig):
                                       "earlier export")
     longrope_short_equals_long: bool = option(False, "LongRoPE: use the long factors at every length (engines pick "
                                                      "one list per batch or context, not per length; vllm#27414)")
-    gguf_dtype: str = option("f32", "llama.cpp: the weights' type in the GGUF file", choices=GGUF_DTYPES)
+    gguf: str | None = option(None, "llama.cpp: retag this GGUF file (any architecture llama.cpp reads, any "
+                                    "quantization): its tensors copied byte for byte, its RoPE keys and tensors "
+                                    "set for --method; --model, if given, must have the same RoPE", metavar="FILE")
+    gguf_dtype: str | None = option(None, "llama.cpp: the weights' type in the GGUF file written from a model "
+                                          "(f32 if not given; a --gguf retag keeps the file's types)",
+                                    choices=GGUF_DTYPES)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
 
     def validate(self) -> None:
@@ -53,6 +58,13 @@ class ExportConfig(JobConfig):
             raise ConfigError(f"export: give --engine, one of {', '.join(ENGINES)}")
         if self.output is None:
             raise ConfigError("export: give --output DIR, the folder to write")
+        if self.gguf is not None:
+            if self.engine != "llama.cpp":
+                raise ConfigError(f"export --gguf retags a llama.cpp file: give --engine llama.cpp, not {self.engine}")
+            if self.method == AS_LOADED:
+                raise ConfigError("export --gguf: give --method SPEC, the method the retagged file carries")
+            if self.gguf_dtype is not None:
+                raise ConfigError("export --gguf keeps the file's tensor types: leave out --gguf-dtype")
 
 
 @dataclass
@@ -87,6 +99,8 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     options, loaded = split_loaded(options)
     config = ExportConfig.from_options(config, **options)
     config.check_required()
+    if config.gguf is not None:
+        return _run_retag(config, loaded)
     if loaded is None:
         loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
                               native_length=config.native_length)
@@ -104,16 +118,34 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     return _write(config, model, tokenizer, folder, settings, rope.label, loaded.label)
 
 
+def _run_retag(config: ExportConfig, loaded) -> ExportResult:
+    """``--gguf FILE``: the file's RoPE read and the method computed over it, checked against ``--model`` (if given),
+    refused in one line before anything is written, then the file written anew with its RoPE replaced."""
+    retag = plan_retag(config.gguf, config.method, native_length=config.native_length,
+                       longrope_short_equals_long=config.longrope_short_equals_long)
+    if config.model is not None or loaded is not None:
+        if loaded is None:
+            loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
+                                  native_length=config.native_length)
+        check_same_rope(served_rope(loaded.model), retag.source, loaded.label)
+    folder = Path(config.output)
+    settings = rope_settings(retag.rope, "llama.cpp", longrope_short_equals_long=config.longrope_short_equals_long,
+                             folder=str(folder))
+    return _write(config, None, None, folder, settings, retag.rope.label, Path(config.gguf).name, retag=retag)
+
+
 def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: ServingSettings, label: str,
-           model_label: str) -> ExportResult:
+           model_label: str, retag: GgufRetag | None = None) -> ExportResult:
     folder.parent.mkdir(parents=True, exist_ok=True)
     check_output(folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from the serving engine's user
     try:
         plan = None
-        if config.engine == "llama.cpp":
-            plan = write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype=config.gguf_dtype,
+        if retag is not None:
+            plan = retag_gguf(retag, tmp / GGUF_FILE)
+        elif config.engine == "llama.cpp":
+            plan = write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype=config.gguf_dtype or "f32",
                               longrope_short_equals_long=config.longrope_short_equals_long)
         else:
             model.save_pretrained(tmp)
@@ -150,9 +182,10 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
            plan: GgufRope | None) -> str:
     """The exported folder's README: what it holds and the exact commands that serve it."""
     engine = ENGINE_NAMES[settings.engine]
+    retagged = f" --gguf {Path(config.gguf).name}" if config.gguf else ""
     lines = [f"# {model_label} with {label}, for {engine}", "",
-             f"Written by `rope-patch export --engine {settings.engine} --method '{config.method}'`. The RoPE "
-             f"settings below make {engine} compute what rope_patch's patched model computes.", "",
+             f"Written by `rope-patch export --engine {settings.engine}{retagged} --method '{config.method}'`. "
+             f"The RoPE settings below make {engine} compute what rope_patch's patched model computes.", "",
              "Serve it:", "", "```bash", settings.serve_command, "```", ""]
     alternative = override_command(settings.engine, str(model_path(config.model)), settings)
     if alternative:
@@ -160,6 +193,9 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
                   alternative, "```", ""]
     lines += [f"Context: {settings.max_model_len} tokens.", "", "RoPE (`rope_parameters`):", "", "```json",
               json.dumps(settings.rope_parameters, indent=1), "```", ""]
+    if config.gguf:
+        lines += [f"`{GGUF_FILE}` is `{Path(config.gguf).name}` with every tensor copied byte for byte and every "
+                  "key kept, but for its RoPE keys and tensors.", ""]
     if plan is not None:
         lines += [f"The GGUF file `{GGUF_FILE}` carries it as {plan.how}:", "", "```json",
                   json.dumps(plan.keys, indent=1), "```", ""]
