@@ -319,8 +319,72 @@ def _cell(engine: str, method: str) -> str:
     return f"yes ({rule.note})" if rule.note else "yes"
 
 
-def support_table() -> str:
-    """The method × engine table in Markdown, from :data:`RULES` (docs/export.md holds a copy a test checks)."""
+# The families rope_patch patches (tests/tiny_models.py), by transformers model_type -> the model class each engine
+# serves them with: vLLM's ``_TEXT_GENERATION_MODELS`` (vllm/model_executor/models/registry.py), SGLang's
+# ``EntryClass`` lists (python/sglang/srt/models/), the architecture llama.cpp's converter writes
+# (conversion/__init__.py, vendored by llama-cpp-python 0.3.36). None: the engine has none; "?": not read.
+FAMILY_ENGINES: dict[str, dict[str, str | None]] = {
+    "llama": {"vllm": "llama", "sglang": "llama", "llama.cpp": "llama"},
+    "mistral": {"vllm": "llama", "sglang": "?", "llama.cpp": "llama"},
+    "qwen2": {"vllm": "qwen2", "sglang": "?", "llama.cpp": "qwen2"},
+    "qwen3": {"vllm": "qwen3", "sglang": "?", "llama.cpp": "qwen3"},
+    "gemma": {"vllm": "gemma", "sglang": "?", "llama.cpp": "gemma"},
+    "gemma2": {"vllm": "gemma2", "sglang": "?", "llama.cpp": "gemma2"},
+    "gemma3_text": {"vllm": "gemma3", "sglang": "?", "llama.cpp": "gemma3"},
+    "phi3": {"vllm": "phi3", "sglang": "llama", "llama.cpp": "phi3"},
+    "olmo": {"vllm": "olmo", "sglang": "?", "llama.cpp": "olmo"},
+    "granite": {"vllm": "granite", "sglang": "?", "llama.cpp": "granite"},
+    "starcoder2": {"vllm": "starcoder2", "sglang": "?", "llama.cpp": "starcoder2"},
+    "gpt_neox": {"vllm": "gpt_neox", "sglang": "?", "llama.cpp": "gptneox"},
+    "phi": {"vllm": "phi", "sglang": "?", "llama.cpp": "phi2"},
+    "cohere": {"vllm": "commandr", "sglang": "commandr", "llama.cpp": "command-r"},
+    "glm": {"vllm": "glm", "sglang": "?", "llama.cpp": "chatglm"},
+    "glm4": {"vllm": "glm4", "sglang": "?", "llama.cpp": "glm4"},
+    "smollm3": {"vllm": None, "sglang": "?", "llama.cpp": "smollm3"},
+    "cohere2": {"vllm": "commandr", "sglang": "cohere2", "llama.cpp": "cohere2"},
+    "llama4_text": {"vllm": "llama4", "sglang": "?", "llama.cpp": "llama4"},
+}
+# Families whose RoPE rope_patch gives no engine: more than one RoPE by layer type (``ServedRope.per_layer_type``).
+PER_LAYER_TYPE_FAMILIES = {"gemma3_text": "per-layer-type RoPE (local layers keep their own base)"}
+# Families whose engine model adds to the RoPE what rope_patch has not checked against it.
+UNCHECKED_FAMILIES = {"cohere2": "RoPE on the sliding layers only", "llama4_text": "attention temperature on NoPE "
+                      "layers"}
+SPELT_ONLY = {"phi3": "longrope"}  # config classes that accept one rope_type besides default (Phi-3's)
+
+
+def _family_cell(family: str, engine: str) -> str:
+    arch = FAMILY_ENGINES[family][engine]
+    if arch == "?":
+        return "not checked"
+    if arch is None:
+        return f"no: {ENGINE_NAMES[engine]} has no model class of its own for it"
+    if family in PER_LAYER_TYPE_FAMILIES:
+        return f"no: {PER_LAYER_TYPE_FAMILIES[family]}"
+    if family in UNCHECKED_FAMILIES and (engine != "llama.cpp" or arch in LLAMA_CPP_ARCHITECTURES):
+        return f"not checked ({UNCHECKED_FAMILIES[family]})"
+    if engine == "llama.cpp":
+        if arch not in LLAMA_CPP_ARCHITECTURES:
+            return f"no: its GGUF architecture `{arch}` is not one rope_patch has read in llama.cpp's source"
+        carriers = LLAMA_CPP_ARCHITECTURES[arch]
+        if carriers >= {"rope_freqs", "longrope"}:
+            return f"yes (`{arch}`: every static method)"
+        return f"yes (`{arch}`: none, base, ntk, linear, yarn at betas 32/1)"
+    if family in SPELT_ONLY:
+        return f"{SPELT_ONLY[family]} only (its config class spells no other rope_type)"
+    return "yes (the methods above)"
+
+
+def support_table(by: str = "method") -> str:
+    """The method × engine table (``by="method"``) or the family × engine table (``by="family"``) in Markdown, from
+    :data:`RULES` and :data:`FAMILY_ENGINES` (docs/export.md holds copies a test checks)."""
+    if by == "family":
+        engines = ("vllm", "sglang", "llama.cpp")
+        lines = ["| family (model_type) | " + " | ".join(ENGINE_NAMES[e] for e in engines) + " |",
+                 "|---" * (len(engines) + 1) + "|"]
+        lines += [f"| `{f}` | " + " | ".join(_family_cell(f, e) for e in engines) + " |" for f in FAMILY_ENGINES]
+        return "\n".join(lines)
+    if by != "method":
+        raise EngineUnsupportedError(f"support_table(by={by!r}): choose 'method' or 'family'")
     methods = [m for m in available_methods() if m in RULES["vllm"] or get_method(m).kind == "attention"]
     header = "| method | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |"
     lines = [header, "|---" * (len(ENGINES) + 1) + "|"]
