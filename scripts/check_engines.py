@@ -201,7 +201,8 @@ def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, su
         delta = np.abs(a - b)
         within = float(delta.mean()) <= 1e-5
         ok &= within
-        row = {"check": name, "tokens": length, "mean_abs_delta": float(delta.mean()), "max_abs_delta": float(delta.max()),
+        row = {"check": name, "tokens": length, "mean_abs_delta": float(delta.mean()),
+               "max_abs_delta": float(delta.max()),
                "perplexity_retagged": float(np.exp(-a.mean())), "perplexity_reference": float(np.exp(-b.mean())),
                "within_tolerance": within, "seconds": round(seconds, 1), **extra}
         summary[f"retag:{name}:{length}"] = row

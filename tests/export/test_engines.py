@@ -128,11 +128,11 @@ def test_docs_table_is_the_generated_one():
 
 def test_docs_family_table_is_the_generated_one():
     text = (ROOT / "docs" / "export.md").read_text()
-    assert support_table(by="family") in text, "docs/export.md's family table is stale: paste support_table(by='family')"
+    assert support_table(by="family") in text, "docs/export.md's family table is stale: paste it anew"
 
 
 def test_family_table_follows_the_retag_refusals(tmp_path):
-    """A family the table says llama.cpp serves is one whose GGUF architecture the retag takes; every other is refused."""
+    """A family the table says llama.cpp serves has a GGUF architecture the retag takes; every other is refused."""
     from rope_patch.export.engines import FAMILY_ENGINES, LLAMA_CPP_ARCHITECTURES
     from rope_patch.export.gguf import plan_retag
     from test_gguf_retag import synthetic_gguf

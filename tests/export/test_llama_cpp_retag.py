@@ -73,8 +73,9 @@ def test_f32_retag_of_method_none_equals_the_f32_export_of_the_method(checker, e
 # A second architecture and vocabulary, converted by llama.cpp's own converter.
 
 QWEN2_NATIVE = 128
-QWEN2_TOLERANCE = 1e-4  # worst token; fp32 weights, KV cache and angles on both sides, positions ≤ 512 (angle rounding
-# ≤ 3e-5 rad): what is left is summation order (ggml's kernels against torch's), measured at a few 1e-6
+# The worst token: fp32 weights, KV cache and angles on both sides, positions ≤ 512 (angle rounding ≤ 3e-5 rad):
+# what is left is summation order (ggml's kernels against torch's).
+QWEN2_TOLERANCE = 1e-4
 
 
 def converted_qwen2(folder: Path, converter: Path) -> Path:
