@@ -4,7 +4,12 @@ two runs.
 - :func:`atomic_write`: a whole file (summary, table, plot) goes to a temporary file in the same folder, is synced,
   then renamed over the old one: readers see the old file or the new one, never half of one.
 - :func:`disk_full_error`: ENOSPC, EDQUOT and EFBIG become one :class:`~rope_patch.errors.DiskFullError` line naming
-  the folder, the bytes needed and the bytes free.
+  the folder, the bytes needed and the bytes free; :func:`write_error` does the same for what safetensors and torch
+  raise (their own error types, with the system's error number in the message), and names any other failed write.
+- :func:`exchange_folders`: two folders swapped in one step (Linux ``renameat2(RENAME_EXCHANGE)``), so a path that
+  held the old version holds the new one, with no moment in between when it holds nothing.
+- :func:`readable_files`: the mode ``save_pretrained`` gives (0666 less the umask, usually 0644) to files that a
+  writer made private (safetensors writes 0600), so that a serving engine running as another user can read them.
 - :class:`FolderLock`: ``fcntl.flock`` on ``FOLDER/.rope-patch.lock``, held by the writing process for its whole run.
   The kernel drops it when the process dies (``kill -9`` included), so it is never stale. A second writer waits its
   turn (saying who holds the folder), then skips what the first finished. Readers take no lock.
@@ -13,9 +18,11 @@ two runs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import errno
 import os
+import re
 import shutil
 import socket
 import sys
@@ -24,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import ConfigError, DiskFullError
+from .errors import ConfigError, DiskFullError, RopePatchError
 
 try:
     import fcntl
@@ -33,6 +40,8 @@ except ImportError:  # not POSIX: no lock (one process per folder is then the us
 
 LOCK_NAME = ".rope-patch.lock"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL_REASONS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+                     errno.EFBIG: "the file size limit (ulimit -f) is reached"}
 
 
 def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> DiskFullError | None:
@@ -44,15 +53,124 @@ def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> Dis
         free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
     except OSError:
         free = "free space unknown"
-    if error.errno == errno.EFBIG:
-        reason = "the file size limit (ulimit -f) is reached"
-    elif error.errno == errno.EDQUOT:
-        reason = "the disk quota is exceeded"
-    else:
-        reason = "no space left on the device"
+    reason = DISK_FULL_REASONS[error.errno]
     return DiskFullError(f"cannot write {path.name} in {path.parent}: {reason} ({free}; at least {needed:,} more "
                          "bytes needed); finished results are kept: free some space and rerun the same command "
                          "to resume")
+
+
+OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)|code: (\d+)")  # how Rust (safetensors) reports a system error
+
+
+def write_error_number(error: BaseException, path: str | os.PathLike, needed: int) -> int | None:
+    """The system error behind a failed write of ``path``, however the writer reports it: ``OSError``; safetensors'
+    ``SafetensorError`` and torch's ``RuntimeError`` carry the number in their message ("(os error 28)"), or fail
+    while the disk has less free space left than the write needs (ENOSPC then). None: not a failed write (a bug)."""
+    if isinstance(error, OSError):
+        return error.errno
+    if type(error).__name__ not in ("SafetensorError", "RuntimeError"):
+        return None
+    found = OS_ERROR_NUMBER.search(str(error))
+    if found:
+        return int(found.group(1) or found.group(2))
+    try:  # torch: "file write failed", "unexpected pos 236864 vs 236756", "iostream error"
+        return errno.ENOSPC if shutil.disk_usage(nearest_folder(Path(path))).free < needed else None
+    except OSError:
+        return None
+
+
+def write_problem(error: BaseException, path: str | os.PathLike,
+                  needed: int) -> tuple[type[RopePatchError], str] | None:
+    """A failed write as the error class and a short reason for a job's own message: ``DiskFullError`` and "no space
+    left on the device (1,024 bytes free, about 4,096 needed)", or ``ConfigError`` and "Read-only file system";
+    None where the error is not a failed write."""
+    number = write_error_number(error, path, needed)
+    if number is None:
+        return None
+    if number not in DISK_FULL:
+        return ConfigError, os.strerror(number)
+    try:
+        free = f"{shutil.disk_usage(nearest_folder(Path(path))).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFullError, f"{DISK_FULL_REASONS[number]} ({free}, about {needed:,} needed)"
+
+
+def write_error(error: BaseException, path: str | os.PathLike, needed: int) -> RopePatchError | None:
+    """The one-line error for a failed write of ``path`` (see :func:`write_error_number`): a full disk as
+    :func:`disk_full_error` words it, any other system error (a read-only file system, no permission) naming the
+    path; None for an error that is not a failed write."""
+    number = write_error_number(error, path, needed)
+    if number is None:
+        return None
+    if number in DISK_FULL:
+        return disk_full_error(OSError(number, os.strerror(number)), path, needed)
+    return ConfigError(f"cannot write {path}: {os.strerror(number)}; choose another folder or fix its permissions, "
+                       "then rerun")
+
+
+def nearest_folder(path: Path) -> Path:
+    """``path`` or its nearest parent that exists (where free space can be measured)."""
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _current_umask() -> int:
+    try:  # Linux: read without changing it (os.umask would, for every thread, for a moment)
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def readable_files(folder: Path) -> None:
+    """Give every file under ``folder`` the mode ``open()`` gives a new file, 0666 less the umask (0644 for the usual
+    022): safetensors writes 0600, which hides the weights from a serving engine that runs as another user."""
+    mode = 0o666 & ~_current_umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.name != LOCK_NAME:
+            path.chmod(mode)
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _renameat2(source: bytes, target: bytes, flags: int) -> None:
+    """``renameat2(2)`` through the C library (glibc 2.28+); OSError(ENOSYS) where there is none."""
+    function = getattr(_libc(), "renameat2", None)
+    if function is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd = -100  # AT_FDCWD
+    if function(at_cwd, source, at_cwd, target, flags) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number), os.fsdecode(source))
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def exchange_folders(new: Path, old: Path) -> bool:
+    """Swap ``new`` and ``old`` in one step (both exist): ``old``'s path then holds the new folder and ``new``'s path
+    the old one, with no moment when ``old``'s path is empty or missing, whenever the process is killed. False where
+    the system or the file system cannot (not Linux, an old kernel, some network file systems): nothing was moved."""
+    try:
+        _renameat2(os.fsencode(new), os.fsencode(old), RENAME_EXCHANGE)
+    except OSError as error:
+        if error.errno in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return False
+        raise
+    return True
 
 
 def sync_folder(folder: Path) -> None:
@@ -67,6 +185,18 @@ def sync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def sync_files(folder: Path) -> dict[str, int]:
+    """fsync every file under ``folder`` and the folder itself; returns each file's size (relative names)."""
+    sizes: dict[str, int] = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
+    sync_folder(folder)
+    return sizes
 
 
 def make_folder(folder: str | os.PathLike) -> Path:

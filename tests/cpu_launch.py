@@ -41,8 +41,9 @@ def cli_flags(settings: Mapping[str, object]) -> list[str]:
 
 def accelerate_launch(target: Sequence[str], *, processes: int, timeout: int, config_file: Path | None = None,
                       use_cpu: bool = True, env: Mapping[str, str] | None = None,
-                      cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run ``target`` (a script and its arguments, or ``-m module ...``) on ``processes`` CPU processes."""
+                      cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``target`` (a script and its arguments, or ``-m module ...``) on ``processes`` CPU processes (``check``:
+    fail the test unless the launch succeeds)."""
     command = [sys.executable, "-m", "accelerate.commands.launch"]
     command += [f"--config_file={config_file}"] if config_file else ["--multi_gpu", "--num_machines=1",
                                                                       "--dynamo_backend=no"]
@@ -51,7 +52,7 @@ def accelerate_launch(target: Sequence[str], *, processes: int, timeout: int, co
     environment = os.environ | {"PYTHONPATH": str(ROOT)} | ({"ACCELERATE_USE_CPU": "1"} if use_cpu else {})
     run = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout,
                          env=environment | dict(env or {}))
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0 or not check, run.stderr[-3000:]
     return run
 
 

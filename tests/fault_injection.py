@@ -1,5 +1,6 @@
-"""A fine-tune that kills itself with SIGKILL at a chosen point: the n-th optimizer step or file operation (write
-sync, rename, delete, torch.save), before or after it. Run in a child process by tests/train/test_checkpoints.py."""
+"""A job that kills itself with SIGKILL at a chosen point: the n-th optimizer step or file operation (write sync,
+rename, delete, torch.save; for exports also each folder made, hard link and folder exchange), before or after it.
+Run in a child process by tests/train/test_checkpoints.py and tests/jobs/test_export_faults.py."""
 
 from __future__ import annotations
 
@@ -7,33 +8,48 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import torch
 import transformers.models.llama.modeling_llama  # noqa: F401  imported by the forkserver once, not by each child
 
+import rope_patch.files
 from rope_patch.cli import main as cli_main
 
 KILL_POINTS = ((os, "fsync"), (os, "rename"), (os, "replace"), (shutil, "rmtree"), (torch, "save"),
                (torch.optim.AdamW, "step"))
+EXPORT_KILL_POINTS = ((os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "link"), (shutil, "rmtree"),
+                      (rope_patch.files, "_renameat2"))
 
 
-def run_until_killed(argv: list[str], kill_at: int, after: bool) -> None:
-    """``rope-patch ARGV``, killed (SIGKILL, no cleanup of any kind) at the ``kill_at``-th kill point."""
+def run_until_killed(argv: list[str], kill_at: int, after: bool, points: str = "finetune", count_into: str | None = None,
+                     stderr_into: str | None = None, pause_s: float = 0.0) -> None:
+    """``rope-patch ARGV``, killed (SIGKILL, no cleanup of any kind) at the ``kill_at``-th kill point (0: never;
+    ``count_into`` then receives how many points the run passed). ``stderr_into``: a file for the run's stderr;
+    ``pause_s``: a pause at each point (runs started together then overlap); ``points``: finetune's or export's."""
     count = 0
+    if stderr_into is not None:
+        os.dup2(os.open(stderr_into, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
 
     def die_at_the_point(call: Callable) -> Callable:
         def counted(*args, **kwargs):
             nonlocal count
             count += 1
+            time.sleep(pause_s)
             if count == kill_at and not after:
                 os.kill(os.getpid(), signal.SIGKILL)
-            result = call(*args, **kwargs)
-            if count == kill_at and after:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return result
+            try:
+                return call(*args, **kwargs)
+            finally:  # a call that raises (os.mkdir of a folder that exists) is a point too
+                if count == kill_at and after:
+                    os.kill(os.getpid(), signal.SIGKILL)
         return counted
 
-    for owner, name in KILL_POINTS:
+    for owner, name in {"finetune": KILL_POINTS, "export": EXPORT_KILL_POINTS}[points]:
         setattr(owner, name, die_at_the_point(getattr(owner, name)))
-    sys.exit(cli_main(argv))
+    code = cli_main(argv)
+    if count_into is not None:
+        with open(count_into, "w") as f:
+            f.write(str(count))
+    sys.exit(code)

@@ -10,6 +10,11 @@ writing process holds the folder's lock (:class:`~.files.FolderLock`) from openi
 after the set-aside copy is synced, atomically) and every append happen with no other writer; readers take no lock and
 change nothing. A full disk leaves no half line: the file is cut back to its last whole line and the error names the
 folder and the space needed.
+
+A ``results.jsonl`` that is a symbolic link is followed: rows are read from and appended to the file it points to,
+and setting lines aside rewrites that file, never the link. A folder, a link to a folder, a link whose target's
+folder does not exist, or anything else that is not a file is refused in one line when the store is opened, before
+any work.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from ..files import FolderLock, atomic_write, disk_full_error, sync_folder
 
 REJECTED_SUFFIX = ".rejected"  # results.jsonl.rejected: the lines set aside
@@ -48,6 +54,22 @@ def parse_line(raw: bytes) -> dict | str:
     except json.JSONDecodeError:
         return "not JSON"
     return record if isinstance(record, dict) else f"JSON {type(record).__name__}, not an object"
+
+
+def results_file(path: Path) -> Path:
+    """The file a store reads and appends to: ``path``, or the file a symbolic link there points to (which may not
+    exist yet); anything that cannot hold the rows is refused in one line."""
+    target = path.resolve() if path.is_symlink() else path
+    link = f" (a link to {target})" if target != path else ""
+    if target.is_dir():
+        raise ConfigError(f"the results file {path}{link} is a folder: move it away, or choose another --output")
+    if target.exists() and not target.is_file():
+        raise ConfigError(f"the results file {path}{link} is not a regular file: move it away, or choose another "
+                          "--output")
+    if target != path and not target.parent.is_dir():
+        raise ConfigError(f"the results file {path} is a link to {target}, whose folder does not exist: create "
+                          f"{target.parent}, or remove the link")
+    return target
 
 
 def append_bytes(path: Path, data: bytes) -> None:
@@ -85,6 +107,7 @@ class ResultStore:
     def __init__(self, path: str | os.PathLike, key_fields: Sequence[str], *, writer: bool = True,
                  job: str = "rope-patch"):
         self.path = Path(path)
+        self.file = results_file(self.path)  # the file the rows go to: the path, or a link's target
         self.key_fields = tuple(key_fields)
         self.writer, self.job = writer, job
         self._records: list[dict] = []
@@ -111,7 +134,7 @@ class ResultStore:
 
     def _load(self) -> None:
         try:
-            data = self.path.read_bytes()
+            data = self.file.read_bytes()
         except FileNotFoundError:
             return
         kept: list[bytes] = []
@@ -140,7 +163,7 @@ class ResultStore:
                 entry["bytes_base64"] = base64.b64encode(raw).decode("ascii")
             entries.append(json.dumps(entry) + "\n")
         append_bytes(sidecar, "".join(entries).encode("utf-8"))
-        atomic_write(self.path, b"".join(kept))
+        atomic_write(self.file, b"".join(kept))  # a link's target: the link stays
         where = ", ".join(f"line {n}: {why}" for n, why, _ in rejected[:3]) + (", ..." if len(rejected) > 3 else "")
         print(f"{self.job}: set aside {len(rejected)} unreadable line{'s' if len(rejected) > 1 else ''} of {self.path} "
               f"({where}) into {sidecar}; the {len(kept)} other lines are kept", file=sys.stderr)
@@ -168,7 +191,7 @@ class ResultStore:
             raise RuntimeError(f"{self.path} is closed: open the store again to append")
         if record in self:
             return
-        append_bytes(self.path, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
+        append_bytes(self.file, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
         self._remember(record)
 
     def records(self) -> list[dict]:

@@ -3,18 +3,23 @@ loads as is, with the RoPE settings that make it compute what the patched model 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import ConfigError, RopePatchError
+from ..errors import ConfigError, DiskFullError
 from ..eval.sweep import AS_LOADED
 from ..export import ENGINES, served_rope, serving_settings
 from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command, rope_settings
 from ..export.gguf import GGUF_DTYPES, GgufRetag, GgufRope, check_same_rope, plan_retag, retag_gguf, write_gguf
+from ..files import (LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_files, sync_folder,
+                     write_problem)
 from ..loading import model_path
 from ..methods import parse_method_spec
 from ..patching import patch
@@ -89,7 +94,7 @@ def check_output(folder: Path) -> None:
     """A new or empty folder, or one this job wrote before; anything else is someone's data: refused."""
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"export: --output {folder} is a file; give a folder")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / RECORD).is_file():
+    if folder.is_dir() and any(p.name != LOCK_NAME for p in folder.iterdir()) and not (folder / RECORD).is_file():
         raise ConfigError(f"export: --output {folder} holds other files (no {RECORD}); give a new or empty folder")
 
 
@@ -136,46 +141,96 @@ def _run_retag(config: ExportConfig, loaded) -> ExportResult:
 
 def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: ServingSettings, label: str,
            model_label: str, retag: GgufRetag | None = None) -> ExportResult:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    check_output(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from the serving engine's user
-    try:
-        plan = None
-        if retag is not None:
-            plan = retag_gguf(retag, tmp / GGUF_FILE)
-        elif config.engine == "llama.cpp":
-            plan = write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype=config.gguf_dtype or "f32",
-                              longrope_short_equals_long=config.longrope_short_equals_long)
-        else:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(readme(config, settings, label, model_label, plan))
-        record = {"engine": config.engine, "method": label, "model": model_label, "settings": describe(settings),
-                  "gguf_rope": plan.keys if plan else None}
-        (tmp / RECORD).write_text(json.dumps(record, indent=1, default=str) + "\n")
-        _swap_into_place(tmp, folder)
-    except OSError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RopePatchError(f"export: cannot write {folder}: {error.strerror or error} (free space or fix the "
-                             "permissions, then rerun)") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return ExportResult(folder, settings, label, plan, sorted(p.name for p in folder.iterdir()))
+    """Write the export into a hidden sibling of ``folder``, then swap it into place in one step, holding the output
+    folder's lock (a second export of the folder is refused in one line). A kill at any point leaves ``folder``
+    holding the earlier export or the new one, whole; the hidden leftovers of a killed export are removed by the next
+    export of the folder. A full disk or a folder that cannot be written is one line, and the earlier export stays."""
+    created = not folder.exists()
+    with FolderLock(folder, job="rope-patch export", wait=False):
+        place = folder.resolve()  # a symlinked --output: the folder it points to is replaced, the link kept
+        check_output(place)
+        remove_leftovers(place)
+        tmp = temporary_sibling(place)
+        needed = (retag.source.path.stat().st_size if retag is not None
+                  else sum(p.numel() * p.element_size() for p in model.state_dict().values()))
+        swapped = False
+        try:
+            tmp.mkdir(mode=0o755)
+            plan = None
+            if retag is not None:
+                plan = retag_gguf(retag, tmp / GGUF_FILE)
+            elif config.engine == "llama.cpp":
+                plan = write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype=config.gguf_dtype or "f32",
+                                  longrope_short_equals_long=config.longrope_short_equals_long)
+            else:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            (tmp / "README.md").write_text(readme(config, settings, label, model_label, plan))
+            record = {"engine": config.engine, "method": label, "model": model_label, "settings": describe(settings),
+                      "gguf_rope": plan.keys if plan else None}
+            (tmp / RECORD).write_text(json.dumps(record, indent=1, default=str) + "\n")
+            readable_files(tmp)
+            sync_files(tmp)
+            swapped = _swap_into_place(tmp, place)
+        except BaseException as error:
+            if not swapped:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if created:  # the folder this export made to lock: nothing was exported into it
+                    (place / LOCK_NAME).unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):
+                        place.rmdir()
+            problem = write_problem(error, place.parent, needed) if isinstance(error, Exception) else None
+            if problem is None:
+                raise
+            kind, reason = problem
+            raise kind(f"export: cannot write {folder}: {reason}; what it held before is kept as it was: "
+                       f"{'free some space' if kind is DiskFullError else 'fix the folder'} and rerun") from None
+        shutil.rmtree(tmp, ignore_errors=True)  # the earlier export, swapped out
+        return ExportResult(folder, settings, label, plan, sorted(p.name for p in folder.iterdir()
+                                                                   if p.name != LOCK_NAME))
 
 
-def _swap_into_place(tmp: Path, folder: Path) -> None:
-    """Rename the finished temporary folder to ``folder``; an earlier export there is moved aside first, then
-    removed (never mixed with the new files)."""
-    check_output(folder)
-    old = None
-    if folder.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
-        folder.rename(old / "export")
-    tmp.rename(folder)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+TEMPORARY_SUFFIX = ".export-tmp"  # .NAME.<8 hex digits>.export-tmp: an export being written, or one swapped out
+
+
+def temporary_sibling(folder: Path) -> Path:
+    return folder.with_name(f".{folder.name}.{secrets.token_hex(4)}{TEMPORARY_SUFFIX}")
+
+
+def leftovers(folder: Path) -> list[Path]:
+    """The hidden siblings that exports of ``folder`` write and swap out (only this exact form of name: another
+    folder's, even ``NAME.x``, never matches)."""
+    form = re.compile(rf"\.{re.escape(folder.name)}\.[0-9a-f]{{8}}{re.escape(TEMPORARY_SUFFIX)}")
+    return sorted(p for p in folder.parent.iterdir() if form.fullmatch(p.name)) if folder.parent.is_dir() else []
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Remove what killed exports of ``folder`` left (called under the folder's lock: every process that wrote such
+    a sibling held that lock, so none of them is still running)."""
+    for leftover in leftovers(folder):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _swap_into_place(tmp: Path, folder: Path) -> bool:
+    """Put the finished ``tmp`` at ``folder``, and the earlier contents at ``tmp`` for the caller to remove. The lock
+    file is linked into ``tmp`` first, so the folder keeps one lock file (the one this process holds) throughout."""
+    lock = folder / LOCK_NAME
+    if lock.exists():
+        try:
+            os.link(lock, tmp / LOCK_NAME)
+        except OSError:  # a file system without hard links: a new lock file comes with the new folder
+            pass
+    if not exchange_folders(tmp, folder):  # no atomic exchange here: move aside, then in (a moment with no folder)
+        aside = temporary_sibling(folder)
+        os.rename(folder, aside)
+        try:
+            os.rename(tmp, folder)
+        except BaseException:
+            os.rename(aside, folder)
+            raise
+        os.rename(aside, tmp)
+    sync_folder(folder.parent)
+    return True
 
 
 def readme(config: ExportConfig, settings: ServingSettings, label: str, model_label: str,

@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from ..data import PackedSequences
-from ..errors import ConfigError
+from ..errors import ConfigError, RopePatchError
 from ..kernels import (
     KERNELS,
     KERNELS_HELP,
@@ -37,7 +37,7 @@ from ..patching import patch
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
-                                 resume_checkpoint, save_final_model)
+                                 resume_checkpoint, save_final_model_resumably, write_failure)
 from ..train.interrupt import StopRequest, TrainingInterrupted
 from ..train.log import TrainingLog, tensorboard
 from ..train.lora import add_lora, save_only_trainable_weights
@@ -171,8 +171,14 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
                                   step_scheduler_with_optimizer=False, log_with=tensorboard(),
                                   project_dir=config.output, kwargs_handlers=process_group_kwargs())
         select_fsdp_on_cpu(accelerator)
-        with StopRequest() as stop, output_lock(Path(config.output), main_process=accelerator.is_main_process):
-            return _finetune(config, accelerator, stop)
+        with StopRequest() as stop, output_lock(Path(config.output), accelerator):
+            try:
+                return _finetune(config, accelerator, stop)
+            except Exception as error:  # a write of the log or the config on a full disk: one line
+                failure = write_failure(error, Path(config.output)) if not isinstance(error, RopePatchError) else None
+                if failure is None:
+                    raise
+                raise failure from None
     except TrainingInterrupted:
         raise
     except KeyboardInterrupt as interrupt:  # before training started (the stop was not armed): nothing new saved
@@ -257,5 +263,6 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                                       "latest" if newest else config.resume, accelerator.is_main_process) from error
     remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
-    final = save_final_model(accelerator, model, tokenizer, output, lora=config.lora, save_adapter=config.save_adapter)
+    final = save_final_model_resumably(accelerator, model, tokenizer, output, step=progress.step, key=key,
+                                       lora=config.lora, save_adapter=config.save_adapter)
     return FinetuneResult(output, losses, final, accelerator.is_main_process)

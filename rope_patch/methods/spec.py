@@ -92,6 +92,7 @@ def parse_method_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any
 
 
 SPEC_FILE = "@"  # "@best_method.json": a mapping spec read from a JSON file (what `rope-patch search` writes)
+SPEC_FILE_LIMIT = 2**20  # bytes: LongRoPE's per-pair factors of a 256-dimension head take a few kilobytes
 
 
 def read_spec_file(spec: str) -> dict[str, Any]:
@@ -99,8 +100,15 @@ def read_spec_file(spec: str) -> dict[str, Any]:
     lists such as longrope's factors go to the command line, YAML and Python as one short argument."""
     path = spec.strip()[len(SPEC_FILE):]
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(SPEC_FILE_LIMIT + 1)  # bounded: @/dev/zero or a huge file must not be read to the end
+        if len(raw) > SPEC_FILE_LIMIT:
+            raise InvalidParameterError(f"method spec {spec!r}: {path!r} is larger than {SPEC_FILE_LIMIT // 2**20} "
+                                        "MiB, too large to be a method spec; give the JSON file search writes, e.g. "
+                                        "@runs/search/best_method.json")
+        value = json.loads(raw.decode("utf-8"))
+    except InvalidParameterError:
+        raise
     except (OSError, ValueError) as error:  # ValueError: a NUL in the path
         if isinstance(error, json.JSONDecodeError):
             raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not JSON ({error.msg} at line "

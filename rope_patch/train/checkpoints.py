@@ -10,7 +10,6 @@ older rope-patch, a copy cut short) is never resumed. A run never deletes, nor c
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -22,14 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 
-from ..errors import ConfigError, DiskFullError
-from ..files import FolderLock, sync_folder
+from ..errors import ConfigError, DiskFullError, RopePatchError
+from ..files import FolderLock, readable_files, sync_files, sync_folder, write_error, write_problem
 
 MARKER = "checkpoint.json"  # the key, the step and the file sizes: written last, so its presence means complete
 STEP_FOLDER = re.compile(r"step-(\d+)")
 HIDDEN_PREFIXES = (".tmp-step-", ".old-step-")  # a save in progress, a checkpoint being deleted
+FINAL_TEMPORARY = ".tmp-final"  # OUTPUT/.tmp-final: the final model being written, moved into OUTPUT once whole
 
 
 @dataclass(frozen=True)
@@ -142,19 +142,48 @@ def resume_checkpoint(resume: str, output: Path, key: dict[str, Any], *, notes: 
 
 
 @contextlib.contextmanager
-def output_lock(output: Path, *, main_process: bool = True) -> Iterator[None]:
+def output_lock(output: Path, accelerator=None) -> Iterator[None]:
     """One fine-tune at a time in an output folder (the folder lock every job takes, refusing instead of waiting:
     released by the system when the process dies, ``kill -9`` included). Under the lock, temporary folders left by a
-    killed save are removed."""
-    if not main_process:
-        yield
-        return
-    with FolderLock(output, job="rope-patch finetune", wait=False) as lock:
+    killed save are removed. Under ``accelerate launch`` the main process takes the lock and tells every other one
+    its answer, so that a refusal is one line from each process (not one line, then the others dying in gloo)."""
+    main = accelerator is None or accelerator.is_main_process
+    lock = FolderLock(output, job="rope-patch finetune", wait=False)
+    refusal = None
+    if main:
+        try:
+            lock.acquire()
+        except RopePatchError as error:
+            refusal = error
+    if accelerator is not None and accelerator.num_processes > 1:
+        message = broadcast_object_list([None if refusal is None else str(refusal)])[0]
+        if message is not None and refusal is None:
+            refusal = ConfigError(message)
+    if refusal is not None:
+        raise refusal
+    try:
         root = checkpoints_root(Path(output))
         for leftover in root.glob(".*-step-*") if lock.locked and root.is_dir() else ():
             if leftover.name.startswith(HIDDEN_PREFIXES):  # left by a killed run: only one run holds the lock
                 shutil.rmtree(leftover, ignore_errors=True)
+        if lock.locked:
+            shutil.rmtree(Path(output) / FINAL_TEMPORARY, ignore_errors=True)
         yield
+    finally:
+        lock.release()
+
+
+def write_failure(error: BaseException, output: Path) -> DiskFullError | None:
+    """A write of the training (the log, the saved config, TensorBoard's events) that found the disk full, as one
+    line naming the newest checkpoint kept and how to resume; None for any other error."""
+    if not isinstance(error, Exception) or not isinstance(write_error(error, output, 1), DiskFullError):
+        return None
+    where = Path(getattr(error, "filename", None) or output)
+    complete = scan_checkpoints(output)[0]
+    kept = (f"the checkpoint of step {complete[-1].step} ({complete[-1].folder}) is kept: free some space and resume "
+            "with --resume latest" if complete else "no checkpoint was saved yet: free some space and run again")
+    return DiskFullError(f"cannot write {where}: no space left on the device "
+                         f"({shutil.disk_usage(output).free:,} bytes free); {kept}")
 
 
 def folder_bytes(folder: Path) -> int:
@@ -177,24 +206,10 @@ def state_bytes(accelerator) -> int:
     return total
 
 
-def sync_files(folder: Path) -> dict[str, int]:
-    """fsync every file under ``folder`` and the folder itself; returns each file's size (relative names)."""
-    sizes: dict[str, int] = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-            sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
-    sync_folder(folder)
-    return sizes
-
-
 def disk_full(error: BaseException, folder: Path, needed: int) -> bool:
-    """Whether a failed save ran out of space: ENOSPC/EDQUOT, or a write error (torch reports them as RuntimeError)
-    with less free space left than a checkpoint needs."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return isinstance(error, (OSError, RuntimeError)) and shutil.disk_usage(folder).free < needed
+    """Whether a failed save ran out of space, however the writer says so: ENOSPC/EDQUOT/EFBIG as an ``OSError``,
+    safetensors' ``SafetensorError`` or torch's ``RuntimeError`` (see :func:`~rope_patch.files.write_error`)."""
+    return isinstance(error, Exception) and isinstance(write_error(error, folder, needed), DiskFullError)
 
 
 def save_checkpoint(accelerator, output: Path, step: int, keep: int, key: dict[str, Any]) -> Path:
@@ -213,6 +228,7 @@ def save_checkpoint(accelerator, output: Path, step: int, keep: int, key: dict[s
         accelerator.save_state(str(temporary))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            readable_files(temporary)  # accelerate's model.safetensors is 0600, like every safetensors file
             files = sync_files(temporary)
             marker = {"step": step, "key": as_json(key), "files": files}
             with open(temporary / MARKER, "w") as handle:
@@ -232,7 +248,10 @@ def save_checkpoint(accelerator, output: Path, step: int, keep: int, key: dict[s
             raise DiskFullError(f"no space left to save the checkpoint of step {step} in {root}: it needs about "
                                 f"{needed / 2**20:,.1f} MiB, {shutil.disk_usage(root).free / 2**20:,.1f} MiB are free "
                                 "(the previous checkpoints are intact); free some space and resume with "
-                                "--resume latest") from error
+                                "--resume latest") from None
+        refusal = write_error(error, root, needed) if isinstance(error, Exception) else None
+        if refusal is not None:  # a read-only or forbidden folder
+            raise refusal from None
         raise
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and keep:
@@ -283,16 +302,71 @@ def save_final_model(accelerator, model, tokenizer, output: Path, *, lora: bool,
     base_config = (model.get_base_model() if lora else model).config
     base_config.use_cache = True  # turned off for training only
     save = {"is_main_process": accelerator.is_main_process, "save_function": accelerator.save, "state_dict": state_dict}
-    if lora and save_adapter:
-        model.save_pretrained(output, **save)
-        if accelerator.is_main_process:  # the patched config: load_adapter_checkpoint rebuilds the base with it
-            base_config.save_pretrained(output)
-    else:
-        if lora:  # the weights are whole in every process here: check_distributed refused sharded ones
-            model, save["state_dict"] = model.merge_and_unload(), None
-        model.save_pretrained(output, **save)
+    temporary = Path(output) / FINAL_TEMPORARY  # written whole, then moved in: never a config.json without weights
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(output)
+        shutil.rmtree(temporary, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    failed: BaseException | None = None
+    try:
+        if lora and save_adapter:
+            model.save_pretrained(temporary, **save)
+            if accelerator.is_main_process:  # the patched config: load_adapter_checkpoint rebuilds the base with it
+                base_config.save_pretrained(temporary)
+        else:
+            if lora:  # the weights are whole in every process here: check_distributed refused sharded ones
+                model, save["state_dict"] = model.merge_and_unload(), None
+            model.save_pretrained(temporary, **save)
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(temporary)
+            readable_files(temporary)  # safetensors writes 0600: the files get save_pretrained's other modes
+            sync_files(temporary)
+            names = sorted(p.name for p in temporary.iterdir() if p.is_file())
+            for name in sorted(names, key=lambda n: n == "config.json"):  # the config last: it makes a folder a model
+                os.replace(temporary / name, Path(output) / name)
+            sync_folder(Path(output))
+            shutil.rmtree(temporary, ignore_errors=True)
+    except BaseException as error:
+        if accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)
+        failed = error
+    if failed is not None:
+        raise failed
+    if accelerator.is_main_process:
         accelerator.print(f"saved the fine-tuned model to {output}")
-    accelerator.end_training()
+    return model
+
+
+def save_final_model_resumably(accelerator, model, tokenizer, output: Path, *, step: int, key: dict[str, Any],
+                               lora: bool, save_adapter: bool) -> torch.nn.Module:
+    """The final model, with the last step kept resumable until it is written: a checkpoint of ``step`` is saved
+    first (the training loop saves none at the last step), so that a final save that fails (a full disk, a kill)
+    leaves a run that ``--resume latest`` finishes without training again; it is removed once the final model is
+    whole. Where even that checkpoint does not fit, the final model (a third of its size: no optimizer state) is
+    still tried, and a failure names the newest checkpoint that is kept."""
+    output = Path(output)
+    resume_point, _ = read_checkpoint(checkpoint_folder(output, step))  # left by a final save that failed
+    resume_point = resume_point.folder if resume_point is not None and resume_point.key == as_json(key) else None
+    try:
+        resume_point = resume_point or save_checkpoint(accelerator, output, step, 0, key)
+    except DiskFullError as error:
+        accelerator.print(f"rope-patch finetune: {error}; saving the final model without it")
+    needed = folder_bytes(resume_point) // 3 if resume_point is not None else state_bytes(accelerator) // 3
+    try:
+        model = save_final_model(accelerator, model, tokenizer, output, lora=lora, save_adapter=save_adapter)
+    except Exception as error:
+        problem = write_problem(error, output, needed)
+        if problem is None:
+            raise
+        kind, reason = problem
+        newest = newest_checkpoint(output, key)
+        kept = (f"the checkpoint of step {newest.step} ({newest.folder}) is kept: free some space and rerun with "
+                "--resume latest to finish" if newest is not None else
+                "no checkpoint could be kept: free some space and run again (add --save-every N to keep checkpoints)")
+        raise kind(f"cannot write the final model in {output}: {reason}; {kept}") from None
+    if resume_point is not None and accelerator.is_main_process:  # the final model replaces it
+        doomed = resume_point.with_name(f".old-{resume_point.name}")
+        resume_point.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # trackers closed, the process group let go: after the last collective call
     return model

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 from pathlib import Path
 
 from accelerate.utils import is_tensorboard_available
@@ -29,11 +31,8 @@ class TrainingLog:
                 kept = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
             if kept:
                 self.tokens_seen, self.elapsed = int(kept[-1]["tokens_seen"]), float(kept[-1]["elapsed_s"])
-        self.file = open(self.path, "w", newline="")
-        self.writer = csv.DictWriter(self.file, fieldnames=LOG_COLUMNS)
-        self.writer.writeheader()
-        self.writer.writerows(kept)
-        self.file.flush()
+        self.file = open(self.path, "wb", buffering=0)  # unbuffered: a full disk fails the write, not a later close
+        self._write_rows(kept, header=True)
         if accelerator.log_with:
             accelerator.init_trackers("finetune")
 
@@ -44,11 +43,28 @@ class TrainingLog:
             return
         row = {"step": step, "loss": f"{loss:.6f}", "lr": f"{lr:.4e}", "tokens_per_s": f"{tokens / seconds:.1f}",
                "tokens_seen": self.tokens_seen, "elapsed_s": f"{self.elapsed:.2f}"}
-        self.writer.writerow(row)
-        self.file.flush()
+        self._write_rows([row])
         tqdm.write(f"step={step} loss={loss:.4f} lr={lr:.3e} tok/s={tokens / seconds:.1f}")
         if self.accelerator.log_with:
             self.accelerator.log({"loss": loss, "lr": lr, "tokens_per_s": tokens / seconds}, step=step)
+
+    def _write_rows(self, rows: list[dict], header: bool = False) -> None:
+        """Append whole rows, or nothing: a write that fails (a full disk) is cut back, so a resumed run reads only
+        whole rows; the error names the file."""
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=LOG_COLUMNS)
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+        data, start = memoryview(text.getvalue().encode("utf-8")), self.file.tell()
+        try:
+            while data:
+                data = data[self.file.write(data):]
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                self.file.truncate(start)
+                self.file.seek(start)
+            raise OSError(error.errno, error.strerror, str(self.path)) from None
 
     def close(self) -> None:
         if self.file is not None:

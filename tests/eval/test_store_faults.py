@@ -243,3 +243,67 @@ def test_an_output_folder_that_is_a_file_is_refused_in_one_line(tmp_path):
     (tmp_path / "taken").write_text("a file")
     with pytest.raises(RopePatchError, match="is a file"):
         ResultStore(tmp_path / "taken" / "results.jsonl", FIELDS)
+
+
+# --- results.jsonl as a folder or a link -------------------------------------------------------------------------
+
+
+def test_a_symlinked_store_is_followed_and_setting_lines_aside_keeps_the_link(tmp_path, capsys):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    target = kept / "all.jsonl"
+    target.write_bytes(line(row("no", 1)) + b"garbage\n")
+    (tmp_path / "out").mkdir()
+    link = tmp_path / "out" / "results.jsonl"
+    link.symlink_to(target)
+    with ResultStore(link, FIELDS) as store:
+        assert lengths(store) == [("no", 1)]
+        store.append(row("no", 2))
+    assert link.is_symlink() and link.resolve() == target  # the link stays a link
+    assert target.read_bytes() == line(row("no", 1)) + line(row("no", 2))  # its target got the rows
+    assert rejected(link)[0]["text"] == "garbage\n"
+
+
+def test_a_dangling_link_into_an_existing_folder_is_followed(tmp_path):
+    link = tmp_path / "results.jsonl"
+    link.symlink_to(tmp_path / "elsewhere.jsonl")
+    with ResultStore(link, FIELDS) as store:
+        store.append(row("no", 1))
+    assert link.is_symlink() and (tmp_path / "elsewhere.jsonl").read_bytes() == line(row("no", 1))
+
+
+@pytest.mark.parametrize("kind", ["folder", "link-to-folder", "dangling-link", "fifo"])
+def test_a_store_that_cannot_hold_rows_is_refused_in_one_line_when_opened(tmp_path, kind):
+    path = tmp_path / "results.jsonl"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "link-to-folder":
+        path.symlink_to(tmp_path)
+    elif kind == "dangling-link":
+        path.symlink_to(tmp_path / "gone" / "results.jsonl")
+    else:
+        os.mkfifo(path)
+    words = {"folder": "is a folder", "link-to-folder": "is a folder", "dangling-link": "whose folder does not exist",
+             "fifo": "not a regular file"}[kind]
+    with pytest.raises(RopePatchError, match=words) as refused:
+        ResultStore(path, FIELDS)
+    assert len(str(refused.value).splitlines()) == 1 and str(path) in str(refused.value)
+
+
+def test_eval_refuses_a_dangling_results_link_before_scoring_anything(tiny_folder, tmp_path, capsys, monkeypatch):
+    """Today's failure came at the first append, after the first unit was computed: now at the start."""
+    import rope_patch.jobs.eval as eval_job
+    from rope_patch.cli import main
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("a unit was scored before the store was refused")
+
+    monkeypatch.setattr(eval_job, "evaluate", no_scoring)
+    folder, corpus = tiny_folder
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").symlink_to(tmp_path / "gone" / "results.jsonl")
+    assert main(["eval", "--model", str(folder), "--dataset", str(corpus), "--lengths", "64", "--method", "none",
+                 "--output", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "whose folder does not exist" in err[-1] and "Traceback" not in "".join(err)

@@ -239,3 +239,22 @@ def test_a_users_method_with_meaningless_output_is_refused_centrally():
     finally:
         METHODS.pop("broken", None)
         METHODS.pop("wrong_shape", None)
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "big"])
+def test_a_spec_file_is_read_with_a_size_limit(tmp_path, source):
+    """``@/dev/zero`` used to read until memory ran out; a file over the limit is refused in one line, and one at
+    the limit's scale of a real spec (LongRoPE's factors) is read."""
+    from rope_patch.methods.spec import SPEC_FILE_LIMIT
+
+    path = source
+    if source == "big":
+        path = tmp_path / "big.json"
+        path.write_text(json.dumps({"name": "linear", "factor": 2}) + " " * SPEC_FILE_LIMIT)  # valid JSON, too big
+    with pytest.raises(errors.InvalidParameterError, match="too large to be a method spec") as refused:
+        parse_method_spec(f"@{path}")
+    assert len(str(refused.value).splitlines()) == 1
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"name": "longrope", "long_factor": [1.5] * 64, "short_factor": [1.0] * 64,
+                                 "factor": 4.0}))
+    assert parse_method_spec(f"@{small}")[0] == "longrope"

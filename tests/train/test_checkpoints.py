@@ -318,7 +318,8 @@ def test_kill_9_at_random_points_loses_no_checkpoint_and_resumes_to_the_uninterr
         child.join(timeout=300)
         assert child.exitcode in (0, -signal.SIGKILL), f"the run ended with exit code {child.exitcode}"
         visible = complete_steps(output)
-        assert finished <= visible, f"lost {finished - visible}"
+        replaced = {"step-000004"} if child.exitcode == 0 else set()  # the last step's, kept until the final model
+        assert finished - replaced <= visible, f"lost {finished - replaced - visible}"
         finished = visible
         if child.exitcode == 0:
             break
