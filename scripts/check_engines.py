@@ -25,6 +25,7 @@ runs) and ``fp64`` (position × frequency and cos/sin in float64) diagnose a dis
     python scripts/check_engines.py --engine llama.cpp
     python scripts/check_engines.py --engine vllm
     python scripts/check_engines.py --engine llama.cpp --methods yarn:factor=2 --angles transformers
+    python scripts/check_engines.py --engine llama.cpp-retag   # export --gguf: retagged files against llama.cpp
 """
 
 from __future__ import annotations
@@ -77,12 +78,43 @@ def write_json(path: Path, value) -> None:
 def llama_cpp_logprobs(model, tokenizer, ids: list[int], work: Path) -> np.ndarray:
     """log p(token i | tokens < i), i = 1 … N−1, from llama.cpp (llama-cpp-python) on the f32 GGUF rope_patch
     exports, with an f32 KV cache and every position's logits [N-1]."""
-    from llama_cpp import Llama  # the engines extra: pip install "rope-patch[engines]"
-
     path = work / "model.gguf"
     write_gguf(model, tokenizer, path, dtype="f32", longrope_short_equals_long=True)
-    llm = Llama(model_path=str(path), n_ctx=len(ids), n_batch=512, n_ubatch=512, logits_all=True,
-                type_k=0, type_v=0, verbose=False)  # type 0: GGML_TYPE_F32
+    out = gguf_logprobs(path, ids)
+    path.unlink()
+    return out
+
+
+@contextlib.contextmanager
+def without_extra_buffers() -> Iterator[None]:
+    """llama.cpp's CPU extra buffer types off (``use_extra_bufts = False``): on AMX CPUs the 0.3.36 build repacks
+    quantized weights into them and segfaults at the first eval; ``Llama()`` does not expose the setting."""
+    import llama_cpp.llama_cpp as low  # Llama() reads its defaults from here
+
+    default = low.llama_model_default_params
+
+    def params():
+        value = default()
+        if hasattr(value, "use_extra_bufts"):
+            value.use_extra_bufts = False
+        return value
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
+def gguf_logprobs(path: Path, ids: list[int], **overrides) -> np.ndarray:
+    """log p(token i | tokens < i), i = 1 … N−1 [N-1], from llama.cpp on the GGUF file at ``path`` as it is, with an
+    f32 KV cache and every position's logits; ``overrides``: llama.cpp's own run-time settings (``rope_scaling_type``,
+    ``rope_freq_scale``, ``yarn_orig_ctx``, ...), passed to ``Llama()`` as they are."""
+    from llama_cpp import Llama  # the engines extra: pip install "rope-patch[engines]"
+
+    with without_extra_buffers():
+        llm = Llama(model_path=str(path), n_ctx=len(ids), n_batch=512, n_ubatch=512, logits_all=True,
+                    type_k=0, type_v=0, verbose=False, **overrides)  # type 0: GGML_TYPE_F32
     llm.eval(ids)
     out = np.empty(len(ids) - 1)  # the logits of position i (llm.scores[i], [V]) predict token i + 1
     for start in range(0, len(ids) - 1, 1024):
@@ -91,7 +123,6 @@ def llama_cpp_logprobs(model, tokenizer, ids: list[int], work: Path) -> np.ndarr
         targets = np.asarray(ids[start + 1 : start + 1 + len(rows)])
         out[start : start + len(rows)] = shifted[np.arange(len(rows)), targets] - np.log(np.exp(shifted).sum(axis=1))
     del llm
-    path.unlink()
     return out
 
 
@@ -137,6 +168,71 @@ def vllm_engine_side(job_file: Path) -> None:
 
 
 ENGINE_LOGPROBS: dict[str, Callable] = {"llama.cpp": llama_cpp_logprobs, "vllm": vllm_logprobs}
+
+# --engine llama.cpp-retag: llama.cpp's own run-time overrides for each method retagged into the embedded Q4_1 file
+# (llama.h: LLAMA_ROPE_SCALING_TYPE_LINEAR = 1, _YARN = 2), and the methods with no override, checked on f32 files.
+RETAG_OVERRIDES = {"yarn:factor=2": {"rope_scaling_type": 2, "rope_freq_scale": 0.5, "yarn_orig_ctx": 8192},
+                   "linear:factor=2": {"rope_scaling_type": 1, "rope_freq_scale": 0.5}}
+RETAG_F32 = ["llama3:factor=2", "ntk_by_parts:factor=2", "@configs/search/smollm2_16k_best.json"]
+
+
+def gguf_contents(path: Path) -> tuple[dict, dict]:
+    """Every key (value, type) and every tensor (type, shape, bytes) of a GGUF file, as the gguf package reads them."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    keys = {n: (repr(f.contents()), f.types[0]) for n, f in reader.fields.items() if not n.startswith("GGUF.")}
+    tensors = {t.name: (t.tensor_type, tuple(int(n) for n in t.shape), np.asarray(t.data).tobytes())
+               for t in reader.tensors}
+    return keys, tensors
+
+
+def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, summary_path: Path, length: int) -> bool:
+    """The retag (export --gguf): (1) the embedded Q4_1 file retagged, against the untouched file under llama.cpp's
+    own overrides, same f32 KV cache: mean |Δ log p| ≤ 1e-5; (2) the f32 file of --method none retagged, against the
+    f32 file of --method SPEC: the same keys and tensors, and the same log-probabilities."""
+    from rope_patch.export.gguf import plan_retag, retag_gguf
+    from rope_patch.loading import default_gguf_path
+
+    ok = True
+
+    def record(name: str, a: np.ndarray, b: np.ndarray, extra: dict, seconds: float) -> None:
+        nonlocal ok
+        delta = np.abs(a - b)
+        within = float(delta.mean()) <= 1e-5
+        ok &= within
+        row = {"check": name, "tokens": length, "mean_abs_delta": float(delta.mean()),
+               "max_abs_delta": float(delta.max()),
+               "perplexity_retagged": float(np.exp(-a.mean())), "perplexity_reference": float(np.exp(-b.mean())),
+               "within_tolerance": within, "seconds": round(seconds, 1), **extra}
+        summary[f"retag:{name}:{length}"] = row
+        write_json(summary_path, summary)
+        print(f"{name}: mean |Δ log p| {row['mean_abs_delta']:.2e}, max {row['max_abs_delta']:.2e}, perplexity "
+              f"{row['perplexity_retagged']:.5f} against {row['perplexity_reference']:.5f}"
+              f"{'' if within else ' -> OVER TOLERANCE'}", flush=True)
+
+    for spec, overrides in RETAG_OVERRIDES.items():
+        start = time.perf_counter()
+        retag_gguf(plan_retag(default_gguf_path(), spec), work / "retag.gguf")
+        retagged = gguf_logprobs(work / "retag.gguf", ids)
+        flags = gguf_logprobs(default_gguf_path(), ids, **overrides)
+        record(f"Q4_1 {spec} retagged vs llama.cpp overrides {overrides}", retagged, flags, {},
+               time.perf_counter() - start)
+    write_gguf(model, tokenizer, work / "none.gguf", dtype="f32")
+    for spec in RETAG_F32:
+        start = time.perf_counter()
+        name, params = rope_patch.parse_method_spec(spec)
+        retag_gguf(plan_retag(work / "none.gguf", spec, longrope_short_equals_long=True), work / "retag.gguf")
+        with rope_patch.patched(model, name, **params):
+            write_gguf(model, tokenizer, work / "spec.gguf", dtype="f32", longrope_short_equals_long=True)
+        same = gguf_contents(work / "retag.gguf") == gguf_contents(work / "spec.gguf")
+        ok &= same
+        record(f"f32 none retagged {spec} vs f32 {spec}", gguf_logprobs(work / "retag.gguf", ids),
+               gguf_logprobs(work / "spec.gguf", ids), {"same_keys_and_tensors": same}, time.perf_counter() - start)
+        print(f"  same keys and tensors: {same}", flush=True)
+    for name in ("retag.gguf", "none.gguf", "spec.gguf"):
+        (work / name).unlink(missing_ok=True)
+    return ok
 
 
 def fp64_angles(model, rotary, positions: torch.Tensor, work: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +342,8 @@ def cached(path: Path, compute: Callable[[], np.ndarray]) -> tuple[np.ndarray, f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=sorted(ENGINE_LOGPROBS), required="--engine-side" not in sys.argv)
+    parser.add_argument("--engine", choices=[*sorted(ENGINE_LOGPROBS), "llama.cpp-retag"],
+                        required="--engine-side" not in sys.argv)
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--length", type=int, default=12288)
     parser.add_argument("--document", default="argparse.py")
@@ -263,13 +360,15 @@ def main() -> int:
     if args.engine_side:
         vllm_engine_side(args.engine_side)
         return 0
-    angles = ENGINE_ANGLES[args.engine] if args.angles == "engine" else args.angles
     work = Path(args.output) / args.engine.replace(".", "_")
     work.mkdir(parents=True, exist_ok=True)
     summary_path = work / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     model, tokenizer = rope_patch.load_default_model(dtype="fp32", device="cpu")
     ids = document_ids(tokenizer, args.document, args.length)
+    if args.engine == "llama.cpp-retag":
+        return 0 if retag_checks(model, tokenizer, ids, work, summary, summary_path, args.length) else 1
+    angles = ENGINE_ANGLES[args.engine] if args.angles == "engine" else args.angles
     engine_logprobs, engine_side = ENGINE_LOGPROBS[args.engine], args.engine
     if args.engine == "vllm":
         engine_logprobs = functools.partial(vllm_logprobs, vllm_python=args.vllm_python, load=args.vllm_load)

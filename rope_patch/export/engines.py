@@ -39,6 +39,17 @@ from ..patching import patch_state, primary_rotary, rotary_setup
 ENGINES = SERVING_ENGINES
 ENGINE_NAMES = {"transformers": "transformers", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
 GGUF_ARCHITECTURES = {"llama": "llama"}  # transformers model_type -> llama.cpp architecture written exactly
+# llama.cpp architectures whose RoPE a GGUF retag carries exactly -> the per-pair tensors their graph reads (read in
+# llama.cpp's src/models/<arch>.cpp, as vendored by llama-cpp-python 0.3.36): "rope_freqs" where the architecture
+# creates LLM_TENSOR_ROPE_FREQS and passes get_rope_factors() to ggml_rope_ext, "longrope" where it creates the
+# ROPE_FACTORS_LONG/SHORT pair under rope.scaling.type longrope. The others pass no factors (nullptr): only the keys.
+# Every one of them reads the common keys (llama-model.cpp's load_hparams) and no RoPE key of its own.
+LLAMA_CPP_ARCHITECTURES: dict[str, frozenset[str]] = {
+    "llama": frozenset({"rope_freqs", "longrope"}),
+    "qwen2": frozenset(), "qwen2moe": frozenset(), "qwen3": frozenset(), "qwen3moe": frozenset(),
+    "gemma": frozenset(),
+}
+CARRIER_TENSORS = {"rope_freqs": "the rope_freqs tensor", "longrope": "LongRoPE's rope_factors_long/_short tensors"}
 # transformers' rope_type -> the rope_patch method that computes it (a model loaded with scaling and never patched)
 ROPE_TYPE_METHODS = {"default": "none", "linear": "linear", "dynamic": "dynamic_ntk", "yarn": "yarn",
                      "llama3": "llama3", "longrope": "longrope"}
@@ -58,6 +69,7 @@ class ServedRope:
     per_layer_type: bool = False  # several RoPEs by layer type (Gemma 3)
     spelt: bool = True  # config.rope_parameters spells the method in transformers' own terms
     model_type: str = ""
+    gguf_architecture: str | None = None  # read from a GGUF file (a retag): its llama.cpp architecture
 
     def transformers_parameters(self) -> dict:
         """The method in transformers' ``rope_parameters`` keys (what every engine's config reader takes)."""
@@ -114,6 +126,20 @@ def _config_spells(model: nn.Module, method: str, base: RopeBase, params: dict) 
         return False
     written = {k: v for k, v in (model.config.rope_parameters or {}).items() if k != "partial_rotary_factor"}
     return written == spec.rope_parameters(base, params)
+
+
+YARN_BETAS = (32.0, 1.0)  # the only betas llama.cpp's common path uses (it reads none from the file)
+
+
+def gguf_carrier(rope: ServedRope) -> str:
+    """How a GGUF carries ``rope`` to llama.cpp: ``"keys"`` (rope.freq_base and rope.scaling.* alone), ``"longrope"``
+    (the two factor lists) or ``"rope_freqs"`` (per-pair divisors: any other static frequencies)."""
+    p = rope.params
+    if rope.method in ("none", "base", "ntk", "linear"):
+        return "keys"
+    if rope.method == "yarn" and (p["beta_fast"], p["beta_slow"]) == YARN_BETAS and p.get("truncate", True):
+        return "keys"
+    return "longrope" if rope.method == "longrope" else "rope_freqs"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,15 +210,25 @@ def _refusal(engine: str, rope: ServedRope, short_equals_long: bool) -> str | No
         return f"{rope.method} is not a built-in method (no engine knows a method registered at run time)"
     if not rule.supported:
         fix = "; use --engine transformers" if engine != "transformers" else ""
+        if rope.gguf_architecture:  # a GGUF retag: llama.cpp it is
+            fix = "; give a static method (e.g. yarn or ntk with the same factor)"
         return f"{rope.method}: {rule.note}{fix}"
     if engine != "transformers" and rope.per_layer_type:
         return "per-layer-type RoPE (Gemma 3 style): rope_patch exports one RoPE per model to this engine"
     if not rope.spelt:
         return (f"{rope.model_type or 'this'} config class cannot spell {rope.method} in rope_parameters "
                 "(the patch lives in the rope_patch record: reload with rope_patch.from_pretrained)")
-    if engine == "llama.cpp" and rope.model_type not in GGUF_ARCHITECTURES:
-        return (f"model_type {rope.model_type!r}: rope_patch writes GGUF for {', '.join(GGUF_ARCHITECTURES)} only; "
-                "convert this family with llama.cpp's convert_hf_to_gguf.py from an --engine transformers export")
+    if engine == "llama.cpp":
+        arch = rope.gguf_architecture or GGUF_ARCHITECTURES.get(rope.model_type)
+        if arch is None:
+            return (f"model_type {rope.model_type!r}: rope_patch writes GGUF for {', '.join(GGUF_ARCHITECTURES)} "
+                    "only; convert this family with llama.cpp's convert_hf_to_gguf.py, then retag its GGUF with "
+                    "export --gguf FILE")
+        carrier = gguf_carrier(rope)
+        if carrier != "keys" and carrier not in LLAMA_CPP_ARCHITECTURES.get(arch, ()):
+            return (f"{rope.method} needs {CARRIER_TENSORS[carrier]}, which llama.cpp's {arch} architecture does not "
+                    "read (its graph passes no frequency factors to ggml_rope_ext); choose none, base, ntk, linear "
+                    "or yarn (betas 32/1)")
     if rule.check is not None and (reason := rule.check(rope, short_equals_long)):
         return f"{rope.method} with {reason}"
     return None
@@ -220,16 +256,22 @@ def serving_settings(model: nn.Module, engine: str, *, longrope_short_equals_lon
     ``folder``: the exported folder the serve command names."""
     if engine not in ENGINES:
         raise EngineUnsupportedError(f"engine {engine!r}: choose one of {', '.join(ENGINES)}")
-    rope = served_rope(model)
+    partial = (model.config.rope_parameters or {}).get("partial_rotary_factor")
+    return rope_settings(served_rope(model), engine, longrope_short_equals_long=longrope_short_equals_long,
+                         folder=folder, partial_rotary_factor=partial)
+
+
+def rope_settings(rope: ServedRope, engine: str, *, longrope_short_equals_long: bool = False, folder: str = "DIR",
+                  partial_rotary_factor: float | None = None) -> ServingSettings:
+    """:func:`serving_settings` for a RoPE (a model's, or one read from a GGUF file), or EngineUnsupportedError."""
     reason = _refusal(engine, rope, longrope_short_equals_long)
     if reason is not None:
         raise EngineUnsupportedError(f"{ENGINE_NAMES[engine]} cannot serve {rope.label} exactly: {reason}")
     parameters = rope.transformers_parameters()
     if rope.method == "longrope" and longrope_short_equals_long:
         parameters["short_factor"] = list(parameters["long_factor"])
-    partial = (model.config.rope_parameters or {}).get("partial_rotary_factor")
-    if partial is not None:
-        parameters["partial_rotary_factor"] = partial
+    if partial_rotary_factor is not None:
+        parameters["partial_rotary_factor"] = partial_rotary_factor
     length = rope.context_length()
     overrides = {"rope_parameters": parameters, "max_position_embeddings": length} \
         if engine in ("vllm", "sglang") else {}
@@ -278,8 +320,72 @@ def _cell(engine: str, method: str) -> str:
     return f"yes ({rule.note})" if rule.note else "yes"
 
 
-def support_table() -> str:
-    """The method × engine table in Markdown, from :data:`RULES` (docs/export.md holds a copy a test checks)."""
+# The families rope_patch patches (tests/tiny_models.py), by transformers model_type -> the model class each engine
+# serves them with: vLLM's ``_TEXT_GENERATION_MODELS`` (vllm/model_executor/models/registry.py), SGLang's
+# ``EntryClass`` lists (python/sglang/srt/models/), the architecture llama.cpp's converter writes
+# (conversion/__init__.py, vendored by llama-cpp-python 0.3.36). None: the engine has none; "?": not read.
+FAMILY_ENGINES: dict[str, dict[str, str | None]] = {
+    "llama": {"vllm": "llama", "sglang": "llama", "llama.cpp": "llama"},
+    "mistral": {"vllm": "llama", "sglang": "?", "llama.cpp": "llama"},
+    "qwen2": {"vllm": "qwen2", "sglang": "?", "llama.cpp": "qwen2"},
+    "qwen3": {"vllm": "qwen3", "sglang": "?", "llama.cpp": "qwen3"},
+    "gemma": {"vllm": "gemma", "sglang": "?", "llama.cpp": "gemma"},
+    "gemma2": {"vllm": "gemma2", "sglang": "?", "llama.cpp": "gemma2"},
+    "gemma3_text": {"vllm": "gemma3", "sglang": "?", "llama.cpp": "gemma3"},
+    "phi3": {"vllm": "phi3", "sglang": "llama", "llama.cpp": "phi3"},
+    "olmo": {"vllm": "olmo", "sglang": "?", "llama.cpp": "olmo"},
+    "granite": {"vllm": "granite", "sglang": "?", "llama.cpp": "granite"},
+    "starcoder2": {"vllm": "starcoder2", "sglang": "?", "llama.cpp": "starcoder2"},
+    "gpt_neox": {"vllm": "gpt_neox", "sglang": "?", "llama.cpp": "gptneox"},
+    "phi": {"vllm": "phi", "sglang": "?", "llama.cpp": "phi2"},
+    "cohere": {"vllm": "commandr", "sglang": "commandr", "llama.cpp": "command-r"},
+    "glm": {"vllm": "glm", "sglang": "?", "llama.cpp": "chatglm"},
+    "glm4": {"vllm": "glm4", "sglang": "?", "llama.cpp": "glm4"},
+    "smollm3": {"vllm": None, "sglang": "?", "llama.cpp": "smollm3"},
+    "cohere2": {"vllm": "commandr", "sglang": "cohere2", "llama.cpp": "cohere2"},
+    "llama4_text": {"vllm": "llama4", "sglang": "?", "llama.cpp": "llama4"},
+}
+# Families whose RoPE rope_patch gives no engine: more than one RoPE by layer type (``ServedRope.per_layer_type``).
+PER_LAYER_TYPE_FAMILIES = {"gemma3_text": "per-layer-type RoPE (local layers keep their own base)"}
+# Families whose engine model adds to the RoPE what rope_patch has not checked against it.
+UNCHECKED_FAMILIES = {"cohere2": "RoPE on the sliding layers only", "llama4_text": "attention temperature on NoPE "
+                      "layers"}
+SPELT_ONLY = {"phi3": "longrope"}  # config classes that accept one rope_type besides default (Phi-3's)
+
+
+def _family_cell(family: str, engine: str) -> str:
+    arch = FAMILY_ENGINES[family][engine]
+    if arch == "?":
+        return "not checked"
+    if arch is None:
+        return f"no: {ENGINE_NAMES[engine]} has no model class of its own for it"
+    if family in PER_LAYER_TYPE_FAMILIES:
+        return f"no: {PER_LAYER_TYPE_FAMILIES[family]}"
+    if family in UNCHECKED_FAMILIES and (engine != "llama.cpp" or arch in LLAMA_CPP_ARCHITECTURES):
+        return f"not checked ({UNCHECKED_FAMILIES[family]})"
+    if engine == "llama.cpp":
+        if arch not in LLAMA_CPP_ARCHITECTURES:
+            return f"no: its GGUF architecture `{arch}` is not one rope_patch has read in llama.cpp's source"
+        carriers = LLAMA_CPP_ARCHITECTURES[arch]
+        if carriers >= {"rope_freqs", "longrope"}:
+            return f"yes (`{arch}`: every static method)"
+        return f"yes (`{arch}`: none, base, ntk, linear, yarn at betas 32/1)"
+    if family in SPELT_ONLY:
+        return f"{SPELT_ONLY[family]} only (its config class spells no other rope_type)"
+    return "yes (the methods above)"
+
+
+def support_table(by: str = "method") -> str:
+    """The method × engine table (``by="method"``) or the family × engine table (``by="family"``) in Markdown, from
+    :data:`RULES` and :data:`FAMILY_ENGINES` (docs/export.md holds copies a test checks)."""
+    if by == "family":
+        engines = ("vllm", "sglang", "llama.cpp")
+        lines = ["| family (model_type) | " + " | ".join(ENGINE_NAMES[e] for e in engines) + " |",
+                 "|---" * (len(engines) + 1) + "|"]
+        lines += [f"| `{f}` | " + " | ".join(_family_cell(f, e) for e in engines) + " |" for f in FAMILY_ENGINES]
+        return "\n".join(lines)
+    if by != "method":
+        raise EngineUnsupportedError(f"support_table(by={by!r}): choose 'method' or 'family'")
     methods = [m for m in available_methods() if m in RULES["vllm"] or get_method(m).kind == "attention"]
     header = "| method | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |"
     lines = [header, "|---" * (len(ENGINES) + 1) + "|"]

@@ -33,12 +33,13 @@ import torch
 from torch import nn
 
 from ..choices import GGUF_DTYPES
-from ..errors import EngineUnsupportedError, MissingExtraError
+from ..errors import ConfigError, EngineUnsupportedError, MissingExtraError, NativeLengthError
 from ..loading import default_gguf_path
-from ..methods import compute_frequencies, default_inv_freq, yarn_attention_factor
-from .engines import GGUF_ARCHITECTURES, ServedRope, served_rope, serving_settings
+from ..methods import RopeBase, compute_frequencies, default_inv_freq, frequency_and_attention, method_label
+from ..methods import parse_method_spec, resolve_params, yarn_attention_factor
+from .engines import GGUF_ARCHITECTURES, LLAMA_CPP_ARCHITECTURES, ServedRope, gguf_carrier, rope_settings, served_rope
+from .engines import serving_settings
 
-YARN_BETAS = (32.0, 1.0)  # the only betas llama.cpp's llama architecture uses (it reads none from the file)
 
 
 @dataclass
@@ -51,9 +52,13 @@ class GgufRope:
 
 
 def gguf_rope(rope: ServedRope, *, longrope_short_equals_long: bool = False) -> GgufRope:
-    """llama.cpp's keys and tensors for ``rope`` (already checked servable by :func:`serving_settings`)."""
+    """llama.cpp's keys and tensors for ``rope`` (already checked servable by :func:`serving_settings` or
+    :func:`~rope_patch.export.engines.rope_settings`): the one translation of a method into a GGUF, shared by the
+    model writer (:func:`write_gguf`) and the retag of an existing file (:func:`retag_gguf`)."""
     base, p = rope.base, rope.params
-    keys: dict[str, Any] = {"rope.freq_base": base.rope_theta, "rope.dimension_count": base.dim}
+    keys: dict[str, Any] = {"context_length": rope.context_length(), "rope.freq_base": float(base.rope_theta),
+                            "rope.dimension_count": base.dim}
+    carrier = gguf_carrier(rope)
     if rope.method in ("none", "base", "ntk"):
         theta = rope.transformers_parameters()["rope_theta"]  # the base, new or not
         keys.update({"rope.freq_base": float(theta), "rope.scaling.type": "none"})
@@ -62,14 +67,14 @@ def gguf_rope(rope: ServedRope, *, longrope_short_equals_long: bool = False) -> 
         keys.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(p["factor"])})
         return GgufRope(keys, how="rope.scaling.type linear (as llama.cpp's converter writes it)")
     inv_freq, attention = compute_frequencies(rope.method, base, p, None)  # [dim/2], the static frequencies
-    if rope.method == "yarn" and (p["beta_fast"], p["beta_slow"]) == YARN_BETAS and p.get("truncate", True):
+    if carrier == "keys":  # yarn at llama.cpp's betas, truncated
         keys.update({"rope.scaling.type": "yarn", "rope.scaling.factor": float(p["factor"]),
                      "rope.scaling.original_context_length": int(p["original_max_position_embeddings"])})
         default = yarn_attention_factor(p["factor"])
         if not math.isclose(attention, default, rel_tol=0, abs_tol=1e-12):
             keys["rope.scaling.attn_factor"] = attention / default
         return GgufRope(keys, how="rope.scaling.type yarn (as llama.cpp's converter writes it)")
-    if rope.method == "longrope":
+    if carrier == "longrope":
         long = np.asarray(p["long_factor"], dtype=np.float32)
         short = long if longrope_short_equals_long else np.asarray(p["short_factor"], dtype=np.float32)
         keys.update({"rope.scaling.type": "longrope", "rope.scaling.attn_factor": float(attention),
@@ -119,7 +124,7 @@ def write_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, dtype: s
     ``tokenizer``)."""
     if dtype not in GGUF_DTYPES:
         raise EngineUnsupportedError(f"--gguf-dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
-    settings = serving_settings(model, "llama.cpp", longrope_short_equals_long=longrope_short_equals_long)
+    serving_settings(model, "llama.cpp", longrope_short_equals_long=longrope_short_equals_long)  # or refused
     rope = served_rope(model)
     plan = gguf_rope(rope, longrope_short_equals_long=longrope_short_equals_long)
     fields = embedded_tokenizer_fields(tokenizer) if tokenizer_fields is None else tokenizer_fields
@@ -129,7 +134,6 @@ def write_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, dtype: s
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(str(getattr(config, "_name_or_path", "") or "rope_patch export").rsplit("/", 1)[-1])
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(settings.max_model_len)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
@@ -170,14 +174,17 @@ def write_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, dtype: s
     return plan
 
 
-def _add(writer, gguf, key: str, value: Any) -> None:
+def _add(writer, gguf, key: str, value: Any, like=None) -> None:
+    """One key: ints as uint32 and floats as float32 (as llama.cpp's converter writes them), or in the type ``like``
+    of the key it replaces when that is a number type of the same kind."""
     kind = gguf.GGUFValueType
+    ints = (kind.UINT8, kind.INT8, kind.UINT16, kind.INT16, kind.UINT32, kind.INT32, kind.UINT64, kind.INT64)
     if isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):
-        writer.add_uint32(key, value)
+        writer.add_key_value(key, value, like if like in ints else kind.UINT32)
     elif isinstance(value, float):
-        writer.add_float32(key, value)
+        writer.add_key_value(key, value, like if like in (kind.FLOAT32, kind.FLOAT64) else kind.FLOAT32)
     else:
         writer.add_key_value(key, value, kind.STRING)
 
@@ -187,3 +194,239 @@ def _copy_field(writer, gguf, reader_field) -> None:
     kind = reader_field.types[0]
     sub = reader_field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
     writer.add_key_value(reader_field.name, reader_field.contents(), kind, sub_type=sub)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The retag: any GGUF llama.cpp reads (any architecture, quantization, vocabulary), its RoPE replaced.
+
+# The keys a retag replaces (without the ``{arch}.`` prefix): what :func:`gguf_rope` writes, and the older spelling of
+# the linear factor. ``rope.scaling.finetuned`` says nothing llama.cpp computes with, and is kept.
+REPLACED_KEYS = ("context_length", "rope.freq_base", "rope.dimension_count", "rope.scale_linear",
+                 "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+                 "rope.scaling.attn_factor")
+KEPT_ROPE_KEYS = ("rope.scaling.finetuned",)
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Keys that change llama.cpp's RoPE in ways rope_patch does not compute, with what they are and the fix.
+_LLAMA_CPP_FLAGS = ("use llama.cpp's own --rope-scaling/--rope-scale/--yarn-orig-ctx on the untouched file, or "
+                    "export --engine transformers from the model it was converted from")
+UNKNOWN_KEYS = {
+    "rope.scaling.yarn_log_multiplier": "DeepSeek's YaRN mscale_all_dim, which llama.cpp multiplies into the "
+                                        "attention",
+    "rope.freq_base_swa": "a second base for the sliding-window layers (Gemma 3's per-layer-type RoPE)",
+    "rope.dimension_count_swa": "other rotary dimensions for the sliding-window layers (per-layer-type RoPE)",
+    "rope.dimension_sections": "multimodal RoPE sections (M-RoPE)",
+    "attention.temperature_length": "an attention temperature that grows with the position (Llama 4, DeepSeek)",
+    "attention.temperature_scale": "an attention temperature that grows with the position (Llama 4, Mistral 3)",
+    "rope.scaling.yarn_ext_factor": "YaRN's ramp weight, set per architecture",
+    "rope.scaling.yarn_attn_factor": "YaRN's attention factor, set per architecture",
+    "rope.scaling.yarn_beta_fast": "YaRN's betas, set per architecture",
+    "rope.scaling.yarn_beta_slow": "YaRN's betas, set per architecture",
+    "rope.scaling.alpha": "a scaling alpha (Hunyuan's NTK)",
+}
+
+
+@dataclass
+class GgufSource:
+    """A GGUF file's RoPE as llama.cpp reads it: its architecture, unscaled base, and any scaling it already has."""
+
+    path: Path
+    architecture: str
+    base: RopeBase
+    scaling: dict[str, Any]  # the scaling already in the file (llama.cpp's keys, "rope_freqs": True, ...); {} if none
+
+
+def _fields(reader) -> dict[str, Any]:
+    return {name: f for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _open(path: Path):
+    gguf = _gguf()
+    if not path.is_file():
+        raise ConfigError(f"export --gguf {path}: no such file; give the path of a .gguf file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:  # the reader raises ValueError, struct.error, IndexError... on a file it cannot read
+        raise ConfigError(f"export --gguf {path}: not a GGUF file llama.cpp reads ({type(error).__name__}: "
+                          f"{error}); give a .gguf file") from None
+
+
+def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None, reader=None) -> GgufSource:
+    """The RoPE of the GGUF at ``path``, as llama.cpp's ``load_hparams`` reads it, or refused in one line where the file
+    has RoPE keys rope_patch does not compute, or an architecture whose RoPE it has not read in llama.cpp's source.
+    ``native_length``: the context the model was pretrained at, where the file is already scaled and does not say."""
+    path = Path(path)
+    reader = reader if reader is not None else _open(path)
+    fields = _fields(reader)
+    if "general.architecture" not in fields:
+        raise ConfigError(f"export --gguf {path}: no general.architecture key; not a llama.cpp model file")
+    arch = str(fields["general.architecture"].contents())
+    where = f"export --gguf {path}"
+    for name in fields:
+        key = name[len(arch) + 1:] if name.startswith(arch + ".") else None
+        if key is None:
+            continue
+        if key in UNKNOWN_KEYS or (key.startswith("rope.") and key not in REPLACED_KEYS + KEPT_ROPE_KEYS):
+            what = UNKNOWN_KEYS.get(key, "a RoPE key rope_patch's GGUF writer does not know")
+            raise EngineUnsupportedError(f"{where}: the file has {name} ({what}); rope_patch cannot carry a method "
+                                         f"over it exactly: {_LLAMA_CPP_FLAGS}")
+    if arch not in LLAMA_CPP_ARCHITECTURES:
+        raise EngineUnsupportedError(
+            f"{where}: llama.cpp architecture {arch!r}: rope_patch retags {', '.join(LLAMA_CPP_ARCHITECTURES)} (whose "
+            f"RoPE it has read in llama.cpp's source); {_LLAMA_CPP_FLAGS}")
+
+    def value(key: str, default: Any = None) -> Any:
+        field_ = fields.get(f"{arch}.{key}")
+        if field_ is None:
+            return default
+        got = field_.contents()
+        if isinstance(got, list):  # per-layer arrays (head counts): one value for every layer, or refused
+            if len(set(got)) != 1:
+                raise EngineUnsupportedError(f"{where}: {arch}.{key} differs between layers; rope_patch retags "
+                                             "files with one value for every layer")
+            got = got[0]
+        return got
+
+    heads = value("attention.head_count")
+    head_dim = value("attention.key_length") or (value("embedding_length") // heads if heads else None)
+    dim = int(value("rope.dimension_count", head_dim) or 0)
+    if dim <= 0 or dim % 2:
+        raise EngineUnsupportedError(f"{where}: no even rotary dimension count ({arch}.rope.dimension_count); "
+                                     "not a RoPE model rope_patch can retag")
+    theta = float(value("rope.freq_base", 10000.0))  # llama.cpp's default where the key is absent
+    kind = str(value("rope.scaling.type", "linear"))  # llama.cpp's default type; with no factor it scales nothing
+    factor = float(value("rope.scaling.factor", value("rope.scale_linear", 0.0)) or 0.0)
+    tensors = {t.name for t in reader.tensors}
+    scaling: dict[str, Any] = {}
+    if kind != "none" and factor not in (0.0, 1.0):
+        scaling.update({"type": kind, "factor": factor})
+    elif kind in ("yarn", "longrope"):
+        scaling["type"] = kind
+    scaling.update({name.split(".")[0]: True for name in ROPE_TENSORS if name in tensors})
+    attn = value("rope.scaling.attn_factor")
+    if attn is not None and not math.isclose(float(attn), 1.0, rel_tol=0, abs_tol=1e-7):
+        scaling["attn_factor"] = float(attn)
+    stated = value("rope.scaling.original_context_length")
+    if native_length is None and stated is not None and scaling:
+        native_length = int(stated)
+    if native_length is None:
+        if scaling:
+            raise NativeLengthError(f"{where}: its RoPE is already scaled ({_describe(scaling)}) and it states no "
+                                    f"{arch}.rope.scaling.original_context_length: give --native-length N (the "
+                                    "context the model was pretrained at)")
+        native_length = int(value("context_length", 0) or 0)
+        if native_length <= 0:
+            raise NativeLengthError(f"{where}: no {arch}.context_length; give --native-length N (the context the "
+                                    "model was pretrained at)")
+    return GgufSource(path, arch, RopeBase(theta, dim, int(native_length)), scaling)
+
+
+def _describe(scaling: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else (k if v is True else f"{k}={v}")
+                     for k, v in scaling.items()) or "none"
+
+
+def gguf_served_rope(source: GgufSource, spec: str) -> ServedRope:
+    """The RoPE ``spec`` gives the file's unscaled base (an attention part kept, for the refusal to name it)."""
+    label = method_label(*parse_method_spec(spec))
+    frequency, attention = frequency_and_attention(spec)
+    name, given = frequency if frequency else ("none", {})
+    params = resolve_params(name, source.base, given)
+    return ServedRope(name, params, source.base, label, method_label(*attention) if attention else None,
+                      model_type=source.architecture, gguf_architecture=source.architecture)
+
+
+# The scaling a GGUF carries -> the rope_patch methods a model with that scaling runs (``rope_freqs``: any static
+# per-pair frequencies, as llama.cpp's converter writes Llama 3's).
+GGUF_SCALING_METHODS = {"linear": ("linear",), "yarn": ("yarn",), "longrope": ("longrope",),
+                        "rope_freqs": ("llama3", "ntk_by_parts", "yarn")}
+
+
+def check_same_rope(model: ServedRope, source: GgufSource, model_label: str = "--model") -> None:
+    """Refuse (one line) a model whose RoPE is not the file's: base, rotary dimensions, native length, and the
+    scaling already present (its kind and factor)."""
+    where = f"export --gguf {source.path} --model {model_label}"
+    file, ours = source.base, model.base
+    if not math.isclose(file.rope_theta, ours.rope_theta, rel_tol=1e-6):  # the file holds the base in float32
+        raise EngineUnsupportedError(f"{where}: the file's RoPE base is {file.rope_theta:g}, the model's "
+                                     f"{ours.rope_theta:g}; give the model the file was converted from")
+    if file.dim != ours.dim:
+        raise EngineUnsupportedError(f"{where}: the file rotates {file.dim} dimensions per head, the model "
+                                     f"{ours.dim}; give the model the file was converted from")
+    if file.native_length != ours.native_length:
+        raise EngineUnsupportedError(f"{where}: the file's native length is {file.native_length}, the model's "
+                                     f"{ours.native_length}; give the model the file was converted from, or "
+                                     "--native-length N for both")
+    kind = source.scaling.get("type") or next((k for k in ("rope_freqs", "rope_factors_long") if k in
+                                               source.scaling), None)
+    kind = "longrope" if kind == "rope_factors_long" else kind
+    if kind is None and model.method == "none":
+        return
+    if kind is None or model.method == "none" or model.method not in GGUF_SCALING_METHODS.get(kind, ()):
+        raise EngineUnsupportedError(f"{where}: the file's RoPE scaling is {_describe(source.scaling)}, the model's "
+                                     f"{model.label}; give the model the file was converted from")
+    factor = source.scaling.get("factor")
+    if factor is not None and "factor" in model.params and not math.isclose(factor, model.params["factor"],
+                                                                               rel_tol=1e-6):
+        raise EngineUnsupportedError(f"{where}: the file's RoPE scaling factor is {factor:g}, the model's "
+                                     f"{model.params['factor']:g}; give the model the file was converted from")
+
+
+@dataclass
+class GgufRetag:
+    """What a retag writes: the source, the RoPE and its keys and tensors (computed, checked, nothing written yet)."""
+
+    source: GgufSource
+    rope: ServedRope
+    plan: GgufRope
+
+
+def plan_retag(path: str | os.PathLike, spec: str, *, native_length: int | None = None,
+               longrope_short_equals_long: bool = False) -> GgufRetag:
+    """Read the file, compute the method over its own RoPE, and refuse (one line) whatever llama.cpp cannot be given
+    exactly, before anything is written."""
+    source = read_gguf_rope(path, native_length=native_length)
+    rope = gguf_served_rope(source, spec)
+    if rope.method == "longrope" and longrope_short_equals_long and not rope.attention:
+        rope = ServedRope(rope.method, {**rope.params, "short_factor": list(rope.params["long_factor"])}, rope.base,
+                          rope.label, None, model_type=rope.model_type, gguf_architecture=rope.gguf_architecture)
+    rope_settings(rope, "llama.cpp", longrope_short_equals_long=longrope_short_equals_long)  # or refused
+    return GgufRetag(source, rope, gguf_rope(rope, longrope_short_equals_long=longrope_short_equals_long))
+
+
+def retag_gguf(retag: GgufRetag, destination: str | os.PathLike) -> GgufRope:
+    """Write ``retag.source`` to ``destination`` with its RoPE keys and tensors replaced by ``retag.plan``: every other
+    key kept in place with its type, every other tensor copied byte for byte (quantized ones included)."""
+    gguf = _gguf()
+    reader = _open(retag.source.path)
+    arch = retag.source.architecture
+    fields = _fields(reader)
+    writer = gguf.GGUFWriter(str(destination), arch)
+    if "general.alignment" in fields:
+        writer.data_alignment = int(fields["general.alignment"].contents())
+    new = {f"{arch}.{key}": value for key, value in retag.plan.keys.items()}
+    replaced = {f"{arch}.{key}" for key in REPLACED_KEYS}
+    for name, field_ in fields.items():
+        if name == "general.architecture":
+            continue  # the writer's first key
+        if name in replaced:
+            if name in new:  # the new value where the old one stood, in the old type when it was a number
+                _add(writer, gguf, name, new.pop(name), like=field_.types[0])
+            continue
+        _copy_field(writer, gguf, field_)
+    for name, value in new.items():
+        _add(writer, gguf, name, value)
+    copied = [t for t in reader.tensors if t.name not in ROPE_TENSORS]
+    for name, values in retag.plan.tensors.items():  # [dim/2] float32 each
+        writer.add_tensor_info(name, values.shape, values.dtype, values.nbytes)
+    for tensor in copied:  # the file's bytes as they are: the reader's array is a view of the mapped file
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, int(tensor.n_bytes),
+                               raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for values in retag.plan.tensors.values():
+        writer.write_tensor_data(np.ascontiguousarray(values))
+    for tensor in copied:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+    return retag.plan

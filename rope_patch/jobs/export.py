@@ -16,8 +16,8 @@ from typing import Any
 from ..errors import DiskFullError
 from ..eval.sweep import AS_LOADED
 from ..export import served_rope, serving_settings
-from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command
-from ..export.gguf import GgufRope, write_gguf
+from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command, rope_settings
+from ..export.gguf import GgufRetag, GgufRope, check_same_rope, plan_retag, retag_gguf, write_gguf
 from ..files import (LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_files, sync_folder,
                      write_problem)
 from ..loading import model_path
@@ -50,6 +50,8 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     options, loaded = split_loaded(options)
     config = ExportConfig.from_options(config, **options)
     config.check_required()
+    if config.gguf is not None:
+        return _run_retag(config, loaded)
     if loaded is None:
         loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
                               native_length=config.native_length, progress=config.progress)
@@ -67,8 +69,24 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     return _write(config, model, tokenizer, folder, settings, rope.label, loaded.label)
 
 
+def _run_retag(config: ExportConfig, loaded) -> ExportResult:
+    """``--gguf FILE``: the file's RoPE read and the method computed over it, checked against ``--model`` (if given),
+    refused in one line before anything is written, then the file written anew with its RoPE replaced."""
+    retag = plan_retag(config.gguf, config.method, native_length=config.native_length,
+                       longrope_short_equals_long=config.longrope_short_equals_long)
+    if config.model is not None or loaded is not None:
+        if loaded is None:
+            loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
+                                  native_length=config.native_length)
+        check_same_rope(served_rope(loaded.model), retag.source, loaded.label)
+    folder = Path(config.output)
+    settings = rope_settings(retag.rope, "llama.cpp", longrope_short_equals_long=config.longrope_short_equals_long,
+                             folder=str(folder))
+    return _write(config, None, None, folder, settings, retag.rope.label, Path(config.gguf).name, retag=retag)
+
+
 def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: ServingSettings, label: str,
-           model_label: str) -> ExportResult:
+           model_label: str, retag: GgufRetag | None = None) -> ExportResult:
     """Write the export into a hidden sibling of ``folder``, then swap it into place in one step, holding the output
     folder's lock (a second export of the folder is refused in one line). A kill at any point leaves ``folder``
     holding the earlier export or the new one, whole; the hidden leftovers of a killed export are removed by the next
@@ -79,13 +97,16 @@ def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: Servi
         check_output(place)
         remove_leftovers(place)
         tmp = temporary_sibling(place)
-        needed = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+        needed = (retag.source.path.stat().st_size if retag is not None
+                  else sum(p.numel() * p.element_size() for p in model.state_dict().values()))
         swapped = False
         try:
             tmp.mkdir(mode=0o755)
             plan = None
-            if config.engine == "llama.cpp":
-                plan = write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype=config.gguf_dtype,
+            if retag is not None:
+                plan = retag_gguf(retag, tmp / GGUF_FILE)
+            elif config.engine == "llama.cpp":
+                plan = write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype=config.gguf_dtype or "f32",
                                   longrope_short_equals_long=config.longrope_short_equals_long)
             else:
                 model.save_pretrained(tmp)
@@ -162,9 +183,10 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
            plan: GgufRope | None) -> str:
     """The exported folder's README: what it holds and the exact commands that serve it."""
     engine = ENGINE_NAMES[settings.engine]
+    retagged = f" --gguf {Path(config.gguf).name}" if config.gguf else ""
     lines = [f"# {model_label} with {label}, for {engine}", "",
-             f"Written by `rope-patch export --engine {settings.engine} --method '{config.method}'`. The RoPE "
-             f"settings below make {engine} compute what rope_patch's patched model computes.", "",
+             f"Written by `rope-patch export --engine {settings.engine}{retagged} --method '{config.method}'`. "
+             f"The RoPE settings below make {engine} compute what rope_patch's patched model computes.", "",
              "Serve it:", "", "```bash", settings.serve_command, "```", ""]
     alternative = override_command(settings.engine, str(model_path(config.model)), settings)
     if alternative:
@@ -172,6 +194,9 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
                   alternative, "```", ""]
     lines += [f"Context: {settings.max_model_len} tokens.", "", "RoPE (`rope_parameters`):", "", "```json",
               json.dumps(settings.rope_parameters, indent=1), "```", ""]
+    if config.gguf:
+        lines += [f"`{GGUF_FILE}` is `{Path(config.gguf).name}` with every tensor copied byte for byte and every "
+                  "key kept, but for its RoPE keys and tensors.", ""]
     if plan is not None:
         lines += [f"The GGUF file `{GGUF_FILE}` carries it as {plan.how}:", "", "```json",
                   json.dumps(plan.keys, indent=1), "```", ""]

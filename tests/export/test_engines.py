@@ -124,3 +124,29 @@ def test_unknown_engine_is_refused(tiny_llama):
 def test_docs_table_is_the_generated_one():
     text = (ROOT / "docs" / "export.md").read_text()
     assert support_table() in text, "docs/export.md's table is stale: paste rope_patch.export.support_table()"
+
+
+def test_docs_family_table_is_the_generated_one():
+    text = (ROOT / "docs" / "export.md").read_text()
+    assert support_table(by="family") in text, "docs/export.md's family table is stale: paste it anew"
+
+
+def test_family_table_follows_the_retag_refusals(tmp_path):
+    """A family the table says llama.cpp serves has a GGUF architecture the retag takes; every other is refused."""
+    from rope_patch.export.engines import FAMILY_ENGINES, LLAMA_CPP_ARCHITECTURES
+    from rope_patch.export.gguf import plan_retag
+    from test_gguf_retag import synthetic_gguf
+
+    for family, engines in FAMILY_ENGINES.items():
+        arch = engines["llama.cpp"]
+        if arch in (None, "?"):
+            continue
+        path = synthetic_gguf(tmp_path / f"{family}.gguf", arch)
+        says_yes = support_table(by="family").split(f"| `{family}` |")[1].split("\n")[0].rsplit("|", 2)[-2].strip()
+        if arch in LLAMA_CPP_ARCHITECTURES and family != "gemma3_text":
+            assert says_yes.startswith("yes")
+            plan_retag(path, "yarn:factor=2")
+        else:
+            assert not says_yes.startswith("yes")
+            with pytest.raises(EngineUnsupportedError):
+                plan_retag(path, "yarn:factor=2")

@@ -30,7 +30,12 @@ class ExportConfig(JobConfig):
                                       "earlier export", metavar="DIR", required=True)
     longrope_short_equals_long: bool = option(False, "LongRoPE: use the long factors at every length (engines pick "
                                                      "one list per batch or context, not per length; vllm#27414)")
-    gguf_dtype: str = option("f32", "llama.cpp: the weights' type in the GGUF file", choices=GGUF_DTYPES)
+    gguf: str | None = option(None, "llama.cpp: retag this GGUF file (any architecture llama.cpp reads, any "
+                                    "quantization): its tensors copied byte for byte, its RoPE keys and tensors "
+                                    "set for --method; --model, if given, must have the same RoPE", metavar="FILE")
+    gguf_dtype: str | None = option(None, "llama.cpp: the weights' type in the GGUF file written from a model "
+                                          "(f32 if not given; a --gguf retag keeps the file's types)",
+                                    choices=GGUF_DTYPES)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
     progress: bool = progress_option()
 
@@ -41,6 +46,17 @@ class ExportConfig(JobConfig):
             parse_method_spec(self.method)
         if self.output is not None:
             check_output(Path(self.output))
+
+    def check_required(self) -> None:
+        """The required options (see JobConfig), then what --gguf needs beside them."""
+        super().check_required()
+        if self.gguf is not None:
+            if self.engine != "llama.cpp":
+                raise ConfigError(f"export --gguf retags a llama.cpp file: give --engine llama.cpp, not {self.engine}")
+            if self.method == AS_LOADED:
+                raise ConfigError("export --gguf: give --method SPEC, the method the retagged file carries")
+            if self.gguf_dtype is not None:
+                raise ConfigError("export --gguf keeps the file's tensor types: leave out --gguf-dtype")
 
 
 def check_output(folder: Path) -> None:
