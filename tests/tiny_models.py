@@ -96,6 +96,8 @@ NEW_FAMILY_EXTRAS = {
     "deepseek_v3": {**MLA, "rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 4 * NATIVE},
     "deepseek_v2": {**MLA, "rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 4 * NATIVE},
     "deepseek_v3_unscaled": {**MLA},
+    "glm4_moe_lite": {**{k: v for k, v in MLA.items() if k != "first_k_dense_replace"}, "rope_parameters": DEEPSEEK_YARN,
+                      "max_position_embeddings": 4 * NATIVE},
     # hybrids: only the attention layers carry RoPE
     "bamba": {"attn_layer_indices": [1]},
     "falcon_h1": {},

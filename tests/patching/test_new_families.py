@@ -174,10 +174,10 @@ def test_llama4_nope_layer_temperature_is_kept(method, params, spelling):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# MLA: YaRN's mscale_all_dim in the softmax scale (DeepSeek V2/V3, Kimi K2's architecture).
+# MLA: YaRN's mscale_all_dim in the softmax scale (DeepSeek V2/V3, Kimi K2's architecture, GLM-4 MoE Lite).
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
 @pytest.mark.parametrize("method, params, spelling", [
     ("yarn", {"factor": 2}, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": NATIVE,
                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
