@@ -120,6 +120,18 @@ def test_gemma4_layer_types_choose_which_layers_get_the_method():
     assert_same_logits(model, oracle("gemma4_text", model, both))
 
 
+def test_inspect_shows_only_the_pairs_proportional_rope_rotates():
+    from rope_patch.rotary_info import describe_rotary, format_report, frequency_table
+
+    info = describe_rotary(build_model(new_family_config("gemma4_text")))
+    assert (info.head_dim, info.rotary_dim, info.rotating_pairs, info.native_length) == (32, 32, 4, NATIVE)
+    rows, factor = frequency_table(info, "linear", {"factor": 2})
+    theta = 1e6 ** (-2 * torch.arange(4, dtype=torch.float64) / 32)  # the whole head's ladder, first 4 pairs
+    assert [r["scale"] for r in rows] == pytest.approx([2.0] * 4)
+    assert [2 * math.pi / r["wavelength"] for r in rows] == pytest.approx(theta.tolist(), rel=1e-6)
+    assert "the first 4 rotate" in format_report(info, rows, "linear", {"factor": 2}, factor)
+
+
 def test_a_saved_proportional_patch_reloads_in_plain_transformers(tmp_path):
     model = build_model(new_family_config("gemma4_text"))
     rope_patch.patch(model, "linear", factor=4)
