@@ -270,7 +270,8 @@ def _family_rope(model: nn.Module, module: nn.Module, layer_type: str | None) ->
     return original, rotating_pairs(original, module._buffers[inv_freq_buffer(layer_type)].numel())
 
 
-def _planned_softmax_scales(model: nn.Module, plan: list[RotaryTarget], method: str) -> list[tuple[nn.Module, float]]:
+def _planned_softmax_scales(model: nn.Module, plan: list[RotaryTarget],
+                            method: str) -> list[tuple[nn.Module, float, float]]:
     """The softmax scales MLA attentions get under the patch: their family's function of the method's rope_parameters
     in transformers' spelling (of plain RoPE where the method has none), from the scale each was built with."""
     state = patch_state(model)
@@ -278,6 +279,10 @@ def _planned_softmax_scales(model: nn.Module, plan: list[RotaryTarget], method: 
     def built_with(config) -> dict:
         live = state.config_snapshots.get(id(config)) if state is not None else None
         return live[1]["rope_parameters"] if live is not None else config.rope_parameters
+
+    def original(config) -> dict:
+        live = state.config_snapshots.get(id(config)) if state is not None else None
+        return original_rope_parameters(config, None, live[1] if live is not None else None)
 
     by_config = {id(t.module.config): t for t in plan if t.layer_type is None}  # MLA families have one RoPE
     spec = get_method(method)
@@ -290,7 +295,7 @@ def _planned_softmax_scales(model: nn.Module, plan: list[RotaryTarget], method: 
             return {"rope_type": "default"}
         return spec.rope_parameters(target.base, target.params)
 
-    scales = softmax_scales(model, built_with)
+    scales = softmax_scales(model, built_with, original)
     return planned_scales(scales, state.softmax_scales if state is not None else None, patched)
 
 

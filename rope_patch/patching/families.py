@@ -92,12 +92,14 @@ ScaleSnapshot = list[tuple[nn.Module, float]]
 
 @dataclass
 class SoftmaxScale:
-    """One attention module whose softmax scale follows rope_parameters: the family's own function and the
-    rope_parameters it was built from (so its unscaled scale is ``scaling / apply(built, 1)``)."""
+    """One attention module whose softmax scale follows rope_parameters: the family's own function, the
+    rope_parameters it was built from (its unscaled scale is ``scaling / apply(built, 1)``) and the unscaled ones
+    (a rope_patch checkpoint's recorded original: what unpatch returns the model to)."""
 
     module: nn.Module
     apply: Callable[[dict, float], float]
     built: dict[str, Any]
+    original: dict[str, Any]
 
 
 def _family_function(module: nn.Module) -> Callable[[dict, float], float] | None:
@@ -105,37 +107,41 @@ def _family_function(module: nn.Module) -> Callable[[dict, float], float] | None
     return function if callable(function) and isinstance(getattr(module, "scaling", None), float) else None
 
 
-def softmax_scales(model: nn.Module, built_with: Callable[[Any], dict[str, Any]]) -> list[SoftmaxScale]:
+def softmax_scales(model: nn.Module, built_with: Callable[[Any], dict[str, Any]],
+                   original: Callable[[Any], dict[str, Any]]) -> list[SoftmaxScale]:
     """The attention modules whose softmax scale their family computes from rope_parameters (MLA's mscale).
-    ``built_with(config)``: the rope_parameters the model was built from (before any live patch)."""
+    ``built_with(config)``: the rope_parameters the model was built from; ``original(config)``: its unscaled ones."""
     found = []
     for module in model.modules():
         function = _family_function(module)
         config = getattr(module, "config", None)
         if function is not None and config is not None:
-            found.append(SoftmaxScale(module, function, built_with(config)))
+            found.append(SoftmaxScale(module, function, built_with(config), original(config)))
     return found
 
 
 def planned_scales(scales: list[SoftmaxScale], current: ScaleSnapshot | None,
-                   patched: Callable[[Any], dict[str, Any]]) -> list[tuple[nn.Module, float]]:
-    """Each module's softmax scale under the patched rope_parameters (``patched(config)``), computed from the scale it
-    was built with (``current``: the live patch's snapshot of the built scales, if a patch is applied)."""
-    built = {id(m): s for m, s in current or []}
+                   patched: Callable[[Any], dict[str, Any]]) -> list[tuple[nn.Module, float, float]]:
+    """``(module, scale under the patched rope_parameters, scale unpatched)`` for each module, from the scale it was
+    built with (``current``: the live patch's snapshot of the unpatched scales, if a patch is applied)."""
+    unpatched = {id(m): s for m, s in current or []}
     plan = []
     for scale in scales:
         module = scale.module
-        unscaled = built.get(id(module), module.scaling) / scale.apply(scale.built, 1.0)
-        plan.append((module, unscaled * scale.apply(patched(module.config), 1.0)))
+        if id(module) in unpatched:
+            unscaled = unpatched[id(module)] / scale.apply(scale.original, 1.0)
+        else:
+            unscaled = module.scaling / scale.apply(scale.built, 1.0)
+        plan.append((module, unscaled * scale.apply(patched(module.config), 1.0),
+                     unscaled * scale.apply(scale.original, 1.0)))
     return plan
 
 
-def install_scales(plan: list[tuple[nn.Module, float]]) -> ScaleSnapshot:
-    """Set the planned softmax scales; returns the scales they replace."""
-    snapshot = [(module, module.scaling) for module, _ in plan]
-    for module, scaling in plan:
+def install_scales(plan: list[tuple[nn.Module, float, float]]) -> ScaleSnapshot:
+    """Set the planned softmax scales; returns the unpatched ones, which unpatch restores."""
+    for module, scaling, _ in plan:
         module.scaling = scaling
-    return snapshot
+    return [(module, unpatched) for module, _, unpatched in plan]
 
 
 def restore_scales(snapshot: ScaleSnapshot | None) -> None:

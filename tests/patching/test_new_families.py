@@ -223,12 +223,19 @@ def test_mla_yarn_on_an_unscaled_model_and_unpatch_restores_the_built_scale():
     assert torch.equal(logits(model, 3 * NATIVE), before)
 
 
-def test_a_saved_mla_patch_reloads_in_plain_transformers(tmp_path):
+def test_a_saved_mla_patch_reloads_as_patched_and_unpatches_to_the_original(tmp_path):
+    """Plain transformers builds the saved softmax scale; rope_patch.from_pretrained re-applies the patch on top of
+    it without compounding, and its unpatch returns the checkpoint's original YaRN ×4 scale."""
     model = build_model(new_family_config("deepseek_v3"))
+    original = logits(model, 3 * NATIVE)
     rope_patch.patch(model, "yarn", factor=8)
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
     assert_same_logits(model, reloaded)
+    again = rope_patch.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert_same_logits(model, again)
+    assert rope_patch.unpatch(again)
+    torch.testing.assert_close(logits(again, 3 * NATIVE), original, **TOLERANCE)
 
 
 # ---------------------------------------------------------------------------------------------------------------
