@@ -56,6 +56,7 @@ PROPORTIONAL = ["gemma4_text", "gemma4_unified_text", "lfm3"]
 def test_proportional_rope_is_the_familys_unscaled_rope(family):
     model = build_model(new_family_config(family))
     assert rope_patch.native_length_source(model) == (NATIVE, "max_position_embeddings (unscaled RoPE)")
+    assert rope_patch.patching.config_scaling_label(model.config, "full_attention") == "none"  # eval's as-loaded
     report = rope_patch.patch(model, "linear", factor=2)
     assert report.layer_types == ["full_attention"] and report.native_length == NATIVE
 
