@@ -22,12 +22,15 @@ from torch import nn
 from ..errors import InvalidParameterError, RopePatchError
 from ..methods import compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
 from .attention import AttentionSetup, install_attention, measure_layouts, remove_attention
+from .families import ScaleSnapshot, install_scales, model_defaults, planned_scales, restore_scales, rotating_pairs, \
+    softmax_scales
 from .generation import install_generate
 from .record import (
     ConfigSnapshot,
     NativeLength,
     carries_scaling,
     native_length_of,
+    original_rope_parameters,
     patch_record,
     reset_saved_patch,
     restore_config,
@@ -44,6 +47,7 @@ from .rotary import (
     check_base,
     default_layer_types,
     find_rotary_modules,
+    inv_freq_buffer,
     install_frequencies,
     layer_rope_parameters,
     restore_module,
@@ -75,6 +79,7 @@ class PatchState:
     context_length: int = 0  # the longest sequence the patch is meant for (generate's default cap)
     generating: bool = False  # inside the patched generate: dynamic methods must have a fixed length
     length_dependent: bool = False  # the frequencies follow the sequence length (dynamic methods, longrope)
+    softmax_scales: ScaleSnapshot | None = None  # MLA attentions' softmax scales as built (families.py)
 
 
 def patch_state(model: nn.Module) -> PatchState | None:
@@ -228,8 +233,13 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
         for name, module in modules:
             for layer_type in select_layer_types(module, layer_types):
                 base = rotary_setup(model, module, layer_type, native_length)
-                check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type))
-                plan.append(RotaryTarget(name, module, layer_type, base, resolve_params(frequency[0], base, frequency[1])))
+                original, rotating = _family_rope(model, module, layer_type)
+                check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type),
+                           rotating_pairs=rotating)
+                given = {**model_defaults(get_method(frequency[0]).params, original), **frequency[1]}
+                plan.append(RotaryTarget(name, module, layer_type, base, resolve_params(frequency[0], base, given),
+                                         rotating_pairs=rotating))
+    scales = _planned_softmax_scales(model, plan, frequency[0]) if frequency is not None else []
     _, first_module, first_type = primary_rotary(model)
     primary = plan[0].base if plan else rotary_setup(model, first_module, first_type, native_length)
     attention_params = resolve_params(attention[0], primary, attention[1]) if attention else None
@@ -263,10 +273,49 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
                               native[0])
         older_readers = write_record(config, record, portable=spelt and attention is None)
     report.saved_as += f"; {older_readers}"
+    step("setting the attention softmax scales")
+    state.softmax_scales = install_scales(scales)
     step("wrapping generate")
     state.generate_snapshot = install_generate(model, patch_state)
     setattr(model, STATE_ATTR, state)
     return report
+
+
+def _family_rope(model: nn.Module, module: nn.Module, layer_type: str | None) -> tuple[dict, int | None]:
+    """The unscaled rope_parameters of one layer type, and its rotating pairs if its RoPE is proportional."""
+    state = patch_state(model)
+    live = state.config_snapshots.get(id(module.config), (None, None))[1] if state is not None else None
+    original = original_rope_parameters(module.config, layer_type, live)
+    return original, rotating_pairs(original, module._buffers[inv_freq_buffer(layer_type)].numel())
+
+
+def _planned_softmax_scales(model: nn.Module, plan: list[RotaryTarget],
+                            method: str) -> list[tuple[nn.Module, float, float]]:
+    """The softmax scales MLA attentions get under the patch: their family's function of the method's rope_parameters
+    in transformers' spelling (of plain RoPE where the method has none), from the scale each was built with."""
+    state = patch_state(model)
+
+    def built_with(config) -> dict:
+        live = state.config_snapshots.get(id(config)) if state is not None else None
+        return live[1]["rope_parameters"] if live is not None else config.rope_parameters
+
+    def original(config) -> dict:
+        live = state.config_snapshots.get(id(config)) if state is not None else None
+        return original_rope_parameters(config, None, live[1] if live is not None else None)
+
+    by_config = {id(t.module.config): t for t in plan if t.layer_type is None}  # MLA families have one RoPE
+    spec = get_method(method)
+
+    def patched(config) -> dict:
+        target = by_config.get(id(config))
+        if target is None:
+            return built_with(config)
+        if spec.rope_parameters is None:
+            return {"rope_type": "default"}
+        return spec.rope_parameters(target.base, target.params)
+
+    scales = softmax_scales(model, built_with, original)
+    return planned_scales(scales, state.softmax_scales if state is not None else None, patched)
 
 
 def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str, params: dict,
@@ -355,6 +404,7 @@ def _unpatch(model: nn.Module) -> bool:
         return False
     if state.attention is not None:
         remove_attention(state.attention)
+    restore_scales(state.softmax_scales)
     for snapshot in state.module_snapshots.values():
         restore_module(snapshot)
     for config, snapshot in state.config_snapshots.values():

@@ -43,6 +43,7 @@ class RotaryTarget:
     layer_type: str | None
     base: RopeBase
     params: dict[str, Any] = field(default_factory=dict)
+    rotating_pairs: int | None = None  # proportional RoPE (Gemma 4): pairs from here on stay at frequency 0
     _cache: dict[Any, tuple[torch.Tensor, float]] = field(default_factory=dict)
 
     def frequencies(self, method: str, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -52,6 +53,8 @@ class RotaryTarget:
             if len(self._cache) > 8:
                 self._cache.clear()
             inv_freq, scaling = compute_frequencies(method, self.base, self.params, seq_len)
+            if self.rotating_pairs is not None:
+                inv_freq = torch.cat([inv_freq[: self.rotating_pairs], inv_freq.new_zeros(inv_freq.numel() - self.rotating_pairs)])
             self._cache[key] = (inv_freq.to(device=device, dtype=torch.float32), float(scaling))
         return self._cache[key]
 
@@ -92,12 +95,17 @@ def layer_rope_parameters(config, layer_type: str | None) -> dict[str, Any]:
     return dict(params[layer_type] if layer_type else params)
 
 
+GLOBAL_LAYER_TYPES = ("full_attention", "compress")  # Gemma's global layers, DeepSeek V4's compressed attention
+
+
 def default_layer_types(module: nn.Module) -> list[str | None]:
-    """The layer types a patch targets by default: the module's only set, or Gemma 3's global layers."""
+    """The layer types a patch targets by default: the module's only set, or the RoPE of the layers that see the whole
+    context (Gemma 3/4's global layers, DeepSeek V4's compressed attention; sliding layers never reach past their
+    window)."""
     if "inv_freq" in module._buffers:
         return [None]
     types = [t for t in getattr(module, "layer_types", []) if module.config.rope_parameters.get(t) is not None]
-    return ["full_attention"] if "full_attention" in types else types[:1]
+    return [next((t for t in GLOBAL_LAYER_TYPES if t in types), types[0])] if types else []
 
 
 def select_layer_types(module: nn.Module, layer_types: str | list[str] | None) -> list[str | None]:
@@ -124,15 +132,18 @@ def rotary_dim(module: nn.Module, layer_type: str | None) -> int:
 
 
 def check_base(model: nn.Module, name: str, module: nn.Module, layer_type: str | None, base: RopeBase,
-               scaled: bool) -> None:
+               scaled: bool, rotating_pairs: int | None = None) -> None:
     """Refuse rotary modules whose frequencies do not follow θ_i = b^(−2i/d) from their config: patching them from
-    the config would silently compute the wrong thing. ``scaled``: the module carries a scaling by design."""
+    the config would silently compute the wrong thing. ``scaled``: the module carries a scaling by design;
+    ``rotating_pairs``: proportional RoPE, whose pairs from there on have frequency 0."""
     if scaled:
         return
     original = module._buffers.get(f"{layer_type}_original_inv_freq" if layer_type else "original_inv_freq")
     if original is None:
         original = module._buffers[inv_freq_buffer(layer_type)]
     expected = default_inv_freq(base.rope_theta, base.dim)
+    if rotating_pairs is not None:
+        expected[rotating_pairs:] = 0.0
     if original.shape != expected.shape or not torch.allclose(original.float().cpu(), expected, rtol=1e-2):
         raise UnsupportedModelError(
             f"{type(model).__name__}: rotary module {name} does not follow theta_i = rope_theta^(-2i/d) "

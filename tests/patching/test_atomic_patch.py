@@ -24,8 +24,9 @@ from rope_patch.patching import core
 STEPS = ["frequency_and_attention", "rotary_setup", "check_base", "resolve_params", "_resolve_native",
          "_given_native_length", "_unpatch", "reset_saved_patch", "snapshot_config", "snapshot_module",
          "install_frequencies", "write_config", "compute_frequencies", "patch_record", "write_record",
-         "install_generate", "_patch_frequencies", "method_label", "get_method"]
-UNPATCH_STEPS = ["restore_module", "restore_config"]
+         "install_generate", "_patch_frequencies", "method_label", "get_method", "install_scales",
+         "_planned_softmax_scales", "_family_rope", "model_defaults"]
+UNPATCH_STEPS = ["restore_scales", "restore_module", "restore_config"]
 ATTENTION_STEPS = ["measure_layouts", "install_attention", "_attention_report"]
 
 
