@@ -55,6 +55,7 @@ from .rotary import (
     select_layer_types,
     snapshot_module,
 )
+from .transaction import Steps, transaction
 
 STATE_ATTR = "_rope_patch_state"
 NATIVE_ATTR = "_rope_patch_native_length"  # a native length declared with set_native_length
@@ -211,9 +212,20 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     (``patch(model, "self_extend", group=4, window=1024)``) keeps the model's frequencies, whatever they are; a spec
     combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``. ``native_length``: the
     pretraining context length, for checkpoints whose config does not state it (see :func:`set_native_length`).
+
+    All or nothing (:func:`~.transaction.transaction`): any failure, a bad value or a config class of transformers
+    refusing the patched RoPE, leaves the model bit-for-bit as it was (an earlier patch included) and raises one
+    RopePatchError line.
     """
-    frequency, attention = frequency_and_attention(method, params)
     modules = find_rotary_modules(model)
+    with transaction(model, f"patch({method!r})", [m for _, m in modules]) as step:
+        return _patch(model, method, layer_types, native_length, params, modules, step)
+
+
+def _patch(model: nn.Module, method: str, layer_types, native_length: int | None, params: dict[str, Any],
+           modules: list[tuple[str, nn.Module]], step: Steps) -> PatchReport:
+    """The steps of :func:`patch`, inside its transaction: validate and compute first, then change the model."""
+    frequency, attention = frequency_and_attention(method, params)
     if native_length is not None:
         _checked_native_length(native_length)
     plan = []  # validate everything before changing anything: bad input leaves the model as it was
@@ -236,27 +248,34 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     given = _given_native_length(model, native_length)
     if given is None and native[1].startswith("rope_patch record"):
         given = native[0]  # the record goes with the reset below: the patch keeps its length
-    unpatch(model)
+    step("removing the earlier patch")
+    _unpatch(model)
     replaced = reset_saved_patch(modules) if frequency is not None else None  # a checkpoint's patch: back to its base
     state = PatchState(method=method, given=dict(params), targets=plan, module_snapshots={}, config_snapshots={},
                        native=native, native_given=given)
     state.config_snapshots = {id(m.config): (m.config, snapshot_config(m.config)) for _, m in modules}
     state.label = "+".join(method_label(*part) for part in (frequency, attention) if part)
     state.length_dependent = frequency is not None and get_method(frequency[0]).length_dependent
-    report, spelt = _patch_frequencies(model, state, modules, *frequency, replaced) if frequency else (None, False)
+    step("installing the frequencies")
+    report, spelt = (_patch_frequencies(model, state, modules, *frequency, replaced, step) if frequency
+                     else (None, False))
     if attention is not None:
+        step("installing the attention method")
         state.attention = install_attention(model, attention[0], attention_params, method_label(*attention),
                                              layouts)
         report = _attention_report(model, report, primary, attention[0], attention_params)
     report.label, report.native_source = state.label, native[1]
     state.context_length = report.context_length
     layer_list = [t.layer_type for t in plan]
+    step("recording the patch in the config")
     for config, snapshot in state.config_snapshots.values():  # the record: rope_patch.from_pretrained re-applies it
         record = patch_record(snapshot, method, params, state.label, layer_list if any(layer_list) else None,
                               native[0])
         older_readers = write_record(config, record, portable=spelt and attention is None)
     report.saved_as += f"; {older_readers}"
+    step("setting the attention softmax scales")
     state.softmax_scales = install_scales(scales)
+    step("wrapping generate")
     state.generate_snapshot = install_generate(model, patch_state)
     setattr(model, STATE_ATTR, state)
     return report
@@ -300,7 +319,7 @@ def _planned_softmax_scales(model: nn.Module, plan: list[RotaryTarget],
 
 
 def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str, params: dict,
-                       replaced: str | None) -> tuple[PatchReport, bool]:
+                       replaced: str | None, step: Steps) -> tuple[PatchReport, bool]:
     """Install the frequencies of ``state.targets`` and describe them in the config (the frequency half of a patch).
     ``replaced``: the label of the patch a checkpoint recorded, if it carried one. Returns the report and whether
     the config now spells the method in transformers' own rope_parameters."""
@@ -324,6 +343,7 @@ def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str
 
     for _, module in modules:
         install_frequencies(module, [t for t in plan if t.module is module], method, length)
+    step("writing the patched RoPE into the config")
     native = all([  # a list, not a generator: every config is written
         write_config(config, [t for t in plan if t.module.config is config], method, snapshot)
         for config, snapshot in state.config_snapshots.values()
@@ -368,7 +388,17 @@ def _attention_report(model: nn.Module, report: PatchReport | None, base, method
 
 
 def unpatch(model: nn.Module) -> bool:
-    """Restore the exact original rotary modules, config and ``generate``; False if the model was not patched."""
+    """Restore the exact original rotary modules, config and ``generate``; False if the model was not patched.
+    All or nothing, as :func:`patch`: a failure leaves the patch in place and raises one RopePatchError line."""
+    state = patch_state(model)
+    if state is None:
+        return False
+    with transaction(model, "unpatch", [m for _, m in find_rotary_modules(model)]) as step:
+        step("restoring the unpatched model")
+        return _unpatch(model)
+
+
+def _unpatch(model: nn.Module) -> bool:
     state = patch_state(model)
     if state is None:
         return False
