@@ -52,7 +52,9 @@ UNBUILDABLE: dict[str, str] = {
 OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": {"attn_layer_indices": [1]},  # no attention layer by default
     "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
-    "deepseek_v4": {"head_dim": 128},  # its partial rotary factor 1/8 leaves 16 rotary dims
+    "deepseek_v4": {"head_dim": 128},
+    "gemma4_text": {"global_head_dim": 32},  # 512 by default (a keyword only, so not shrunk with the fields)
+    "gemma4_unified_text": {"global_head_dim": 32},  # its partial rotary factor 1/8 leaves 16 rotary dims
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"],  # all Mamba, no RoPE by default
                          "position_embedding_type": "rope"},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # None by default
@@ -341,7 +343,7 @@ def rope_config(config):
 
 def with_rope(model_type: str, rope_parameters: dict, max_position_embeddings: int) -> dict[str, Any]:
     """The ``tiny_config`` overrides that give ``model_type`` this RoPE and length, where its config holds them."""
-    config = cached_model(model_type).config
+    config = tiny_config(model_type)  # the config the type is built from (Mllama's holds a text config)
     holder = rope_config(config)
     values = {"rope_parameters": rope_parameters, "max_position_embeddings": max_position_embeddings}
     if holder is config:
@@ -360,4 +362,7 @@ def oracle(model_type: str, rope_parameters: dict, max_position_embeddings: int)
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.load_state_dict(cached_model(model_type).state_dict())
+    built = rope_config(model.config).rope_parameters
+    if any(built.get(k) != v for k, v in rope_parameters.items()):
+        raise RuntimeError(f"{model_type}: the oracle was built with rope_parameters {built}, not {rope_parameters}")
     return model

@@ -45,11 +45,13 @@ from .rotary import (
     ModuleSnapshot,
     RotaryTarget,
     check_base,
+    check_output_shapes,
     default_layer_types,
     find_rotary_modules,
     inv_freq_buffer,
     install_frequencies,
     layer_rope_parameters,
+    output_shapes,
     restore_module,
     rotary_dim,
     select_layer_types,
@@ -275,6 +277,8 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
     given = _given_native_length(model, native_length)
     if given is None and native[1].startswith("rope_patch record"):
         given = native[0]  # the record goes with the reset below: the patch keeps its length
+    shapes = {id(t.module): output_shapes(t.module, [u.layer_type for u in plan if u.module is t.module])
+              for t in plan}  # cos/sin shapes the attention takes, checked once the frequencies are installed
     step("removing the earlier patch")
     _unpatch(model)
     replaced = reset_saved_patch(modules) if frequency is not None else None  # a checkpoint's patch: back to its base
@@ -286,6 +290,9 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
     step("installing the frequencies")
     report, spelt = (_patch_frequencies(model, state, modules, *frequency, replaced, step) if frequency
                      else (None, False))
+    step("checking the patched rotary modules")
+    for target in {id(t.module): t for t in plan}.values():
+        check_output_shapes(model, target.module_name, target.module, shapes[id(target.module)])
     if attention is not None:
         step("installing the attention method")
         state.attention = install_attention(model, attention[0], attention_params, method_label(*attention),

@@ -235,3 +235,35 @@ def install_frequencies(module: nn.Module, targets: list[RotaryTarget], method: 
         return inner(x, position_ids, *args, **kwargs)
 
     module.forward = forward
+
+
+def output_shapes(module: nn.Module, layer_types: list[str | None]) -> dict[str | None, Any]:
+    """The shapes of the cos/sin a rotary module returns for a 4-token probe, per layer type (None where the module
+    cannot be probed this way: another forward signature, multimodal position ids). A patch compares them before and
+    after installing its frequencies, so a patched module that would break the attention's shapes is refused before
+    any forward runs."""
+    buffer = next((b for b in module._buffers.values() if b is not None), None)
+    device = buffer.device if buffer is not None else torch.device("cpu")
+    x, positions = torch.zeros(1, device=device), torch.arange(4, device=device)[None]
+    shapes: dict[str | None, Any] = {}
+    for layer_type in layer_types:
+        try:
+            with torch.no_grad():
+                out = module(x, positions, layer_type) if layer_type else module(x, positions)
+            shapes[layer_type] = [tuple(t.shape) for t in out] if isinstance(out, (tuple, list)) else None
+        except Exception:  # noqa: BLE001  a module this probe does not fit: nothing to compare
+            shapes[layer_type] = None
+    return shapes
+
+
+def check_output_shapes(model: nn.Module, name: str, module: nn.Module, before: dict[str | None, Any]) -> None:
+    """Refuse a patched rotary module whose cos/sin no longer have the shapes the model's attention was built for."""
+    after = output_shapes(module, list(before))
+    for layer_type, shapes in before.items():
+        if shapes is not None and after[layer_type] != shapes:
+            which = f" for {layer_type} layers" if layer_type else ""
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: patched, rotary module {name} would give cos/sin of shapes "
+                f"{after[layer_type]}{which} where the model's attention takes {shapes}: rope_patch cannot patch this "
+                "RoPE layout yet"
+            )

@@ -25,7 +25,7 @@ STEPS = ["frequency_and_attention", "rotary_setup", "check_base", "resolve_param
          "_given_native_length", "_unpatch", "reset_saved_patch", "snapshot_config", "snapshot_module",
          "install_frequencies", "write_config", "compute_frequencies", "patch_record", "write_record",
          "install_generate", "_patch_frequencies", "method_label", "get_method", "install_scales",
-         "_planned_softmax_scales", "_family_rope", "model_defaults"]
+         "_planned_softmax_scales", "_family_rope", "model_defaults", "output_shapes", "check_output_shapes"]
 UNPATCH_STEPS = ["restore_scales", "restore_module", "restore_config"]
 ATTENTION_STEPS = ["measure_layouts", "install_attention", "_attention_report"]
 
