@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # imported on first use (below): they import torch and transf
     from .methods import (Method, Param, RopeBase, available_methods, method_label, parse_method_spec,
                           register_method)
     from .patching import (PatchReport, current_patch, fixed_length, native_length, native_length_source, patch,
-                           patched, set_native_length, unpatch)
+                           patched, set_layer_types, set_native_length, unpatch)
 
 # name -> the module that defines it, imported when the name is first used (PEP 562)
 _LAZY = {
@@ -50,7 +50,7 @@ _LAZY = {
     **dict.fromkeys(["Method", "Param", "RopeBase", "available_methods", "method_label", "parse_method_spec",
                      "register_method"], "rope_patch.methods"),
     **dict.fromkeys(["PatchReport", "current_patch", "fixed_length", "native_length", "native_length_source", "patch",
-                     "patched", "set_native_length", "unpatch"], "rope_patch.patching"),
+                     "patched", "set_layer_types", "set_native_length", "unpatch"], "rope_patch.patching"),
 }
 
 
@@ -78,5 +78,5 @@ __all__ = [
     "evaluate_passkey", "finetune", "fixed_length", "from_pretrained", "load_default_model", "load_model",
     "method_label", "native_length", "native_length_source", "parse_method_spec", "patch", "patched",
     "register_method", "run_demo", "run_eval", "run_export", "run_inspect", "run_lm_eval", "run_passkey",
-    "run_search", "SearchConfig", "set_native_length", "unpatch",
+    "run_search", "SearchConfig", "set_layer_types", "set_native_length", "unpatch",
 ]

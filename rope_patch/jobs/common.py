@@ -16,7 +16,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..kernels import kernels_applied, preferred_attention
 from ..loading import default_attention, load_model, model_label
-from ..patching import native_length, set_native_length
+from ..patching import native_length, set_layer_types, set_native_length
 
 @dataclass
 class LoadedModel:
@@ -46,9 +46,12 @@ def split_loaded(options: dict[str, Any]) -> tuple[dict[str, Any], LoadedModel |
     return {**options, "model": label}, LoadedModel(model, tokenizer, label)
 
 
-def settle_native_length(model: nn.Module, given: int | None) -> int:
-    """Declare ``--native-length`` on the model (every method of the job builds around it), or check now that the
-    config states the native length: a checkpoint that does not is refused before any work, not after it."""
+def settle_native_length(model: nn.Module, given: int | None, layer_types: list[str] | None = None) -> int:
+    """Declare ``--native-length`` and ``--layer-types`` on the model (every method of the job builds around them,
+    checked now), or check now that the config states the native length: a checkpoint that does not is refused
+    before any work, not after it."""
+    if layer_types is not None:
+        set_layer_types(model, layer_types)
     if given is not None:
         set_native_length(model, given)
     return native_length(model)

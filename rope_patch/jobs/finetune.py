@@ -25,7 +25,7 @@ from ..errors import RopePatchError
 from ..kernels import apply_kernels, head_loss_for, preferred_attention, remove_kernels
 from ..loading import load_model
 from ..methods import method_label, parse_method_spec
-from ..patching import patch
+from ..patching import patch, set_layer_types
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
@@ -103,6 +103,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                                   progress=config.progress)
     original_model = model_fingerprint(model)  # before the patch, which the method's key covers
     name, params = parse_method_spec(config.method)
+    if config.layer_types is not None:
+        set_layer_types(model, config.layer_types)  # checked before any work, kept by the saved patch's record
     report = patch(model, name, native_length=config.native_length, **params)
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
                             model=model, pose=config.pose_target_len is not None)
@@ -112,6 +114,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                                            num_documents=config.documents, exclude=config.exclude_documents,
                                            split=config.split, text_field=config.text_field, subset=config.subset)
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
+    key |= {"layer_types": config.layer_types} if config.layer_types else {}  # older runs' keys stay as they were
     key |= {"method": method_label(name, params),  # an @FILE spec by its content
             "model": original_model, "data": data.fingerprint(),
             "global_batch": config.batch_size * config.grad_accum * layout.replicas,

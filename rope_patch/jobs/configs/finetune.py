@@ -8,7 +8,7 @@ from typing import ClassVar
 from ...choices import KERNELS
 from ...errors import ConfigError
 from ..options import JobConfig, option
-from .sweep import KERNELS_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
+from .sweep import KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
 
 
 @dataclass
@@ -30,6 +30,7 @@ class FinetuneConfig(JobConfig):
                                          tokens=True)
     pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
+    layer_types: list[str] | None = option(None, LAYER_TYPES_HELP, metavar="TYPES")
     steps: int = option(200, "optimizer steps")
     lr: float = option(2e-5, "peak learning rate (PI paper: 2e-5 for 7B/13B)")
     batch_size: int = option(1, "sequences per process per micro-step")

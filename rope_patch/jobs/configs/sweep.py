@@ -20,6 +20,9 @@ DEVICE_MAP_HELP = ("place a model larger than one device with accelerate's big-m
                    "does: auto (or balanced, sequential), a JSON object of module name -> device (a GPU index, "
                    "\"cpu\" or \"disk\"), or a file holding one; one process")
 OFFLOAD_HELP = "folder for the weights of the layers --device-map sends to disk (loaded back layer by layer)"
+LAYER_TYPES_HELP = ("for per-layer-type RoPE, the layer types the methods change: global (default: the layers that see "
+                    "the whole context, Gemma's full_attention, DeepSeek V4's compress), all, or a list, e.g. "
+                    "sliding_attention,full_attention")
 NATIVE_LENGTH_HELP = ("the model's native (pretraining) context length, for a checkpoint whose config does not state "
                       "it (a scaled RoPE without original_max_position_embeddings), e.g. 8k")
 KERNELS_HELP = ("fused Triton kernels: liger (liger-kernel's RMSNorm, SwiGLU and RoPE application, keeping the patched "
@@ -60,6 +63,7 @@ class SweepConfig(JobConfig):
                                                    "flash_attention_2 on a GPU where installed)")
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
+    layer_types: list[str] | None = option(None, LAYER_TYPES_HELP, metavar="TYPES")
     device_map: str | None = option(None, DEVICE_MAP_HELP, metavar="MAP")
     offload_folder: str | None = option(None, OFFLOAD_HELP, metavar="DIR")
     sequence_parallel: int = option(1, "split each window over N processes (DeepSpeed Ulysses, eval only; N divides "
@@ -109,5 +113,7 @@ class SweepConfig(JobConfig):
         from ...kernels import kernel_choice
         from ...patching import native_length
 
+        chosen = {"layer_types": self.layer_types} if self.layer_types else {}  # older runs' keys stay as they were
         return {"model": loaded.label, "tokenizer": tokenizer_fingerprint(loaded.tokenizer),
-                "kernels": kernel_choice(self.kernels), "native_length": native_length(loaded.model), **settings}
+                "kernels": kernel_choice(self.kernels), "native_length": native_length(loaded.model), **chosen,
+                **settings}
