@@ -27,11 +27,14 @@ from ..errors import ConfigError, DataError
 from ..eval.perplexity import KEY_FIELDS
 from ..eval.window_loss import check_chunked_loss
 from ..eval.windows import Protocol
-from ..eval.search import CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, transformers_snippet
+from ..eval.perplexity_report import cost_text
+from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, short_context_cost,
+                               transformers_snippet)
 from ..eval.search_report import format_table, write_reports
 from ..files import atomic_write, output_folder
 from ..eval.store import open_store
 from ..eval.sweep import model_setup
+from ..methods.frequency import rope_longrope
 from ..methods.evolution import (LONGROPE, Evolution, Scored, SearchTrace, evolve, method_factors, scaled_to_budget,
                                  yarn_factors)
 from ..patching import input_device, native_length, primary_rotary, rotary_setup
@@ -79,6 +82,9 @@ class SearchConfig(SweepConfig):
     seed: int = option(0, "seed of the search and of the document sample")
     bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer",
                       choices=tuple(BOS_CHOICES))
+    max_short_cost: float | None = option(None, "reject candidates whose perplexity at the native length, on the "
+                                                "held-in documents, exceeds the unpatched model's by more than this "
+                                                "share (0.01: at most +1 %, as LongRoPE2 keeps the short window)")
     loss_chunk: int = option(1024, "tokens per slice through the output head")
     output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
                                                "transformers_config.json, the table and plots (none with output=None)",
@@ -91,6 +97,9 @@ class SearchConfig(SweepConfig):
         if self.factor is not None and self.factor <= 1:
             raise ConfigError(f"--factor {self.factor}: give a scale factor above 1, or leave it out for "
                               "target / native")
+        if self.max_short_cost is not None and not self.max_short_cost >= 0:
+            raise ConfigError(f"--max-short-cost {self.max_short_cost}: give a share of at least 0, e.g. 0.01 for "
+                              "at most +1 % perplexity at the native length")
         if self.candidates is not None and self.candidates < 1:
             raise ConfigError(f"--candidates {self.candidates}: give a positive budget")
         for name in ("iterations", "population", "parents", "mutations", "crossovers"):
@@ -133,6 +142,8 @@ class SearchResult:
         text = (f"longrope search, {s['model']} ({s['dtype']}), native length {s['native_length']:,}, target "
                 f"{s['target_length']:,} (factor {s['factor']:g}): {len(t.scored)} candidates ({t.stopped}), best "
                 f"held-in perplexity {self.best.fitness:.3f}\nlong_factor {list(self.best.factors)}")
+        if "short_cost" in s:
+            text += f"\n{s['short_cost']['statement']}"
         if self.table:
             text += f"\n\n{self.table}"
         if self.files:
@@ -225,6 +236,11 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
 
     start = yarn_factors(base, factor)
     with fast_path(model, config.kernels):
+        if config.max_short_cost is not None:
+            short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
+                                                         KEY_FIELDS, job=JOB))
+            settings["short_cost"] = check_short_cost(model, heldin, base, start, factor, native, protocol, config,
+                                                      store=short_store, setup=setup)
         trace = evolve(start, scorer, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
                        on_scored=scored)
         bar.close()
@@ -256,6 +272,29 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         title = f"{loaded.label}: longrope factors for {config.target_length:,} tokens (factor {factor:g})"
         files |= write_reports(rows, trace, curves, out, settings=settings, title=title)
     return SearchResult(trace.best, spec, snippet, rows, trace, files, table, settings)
+
+
+def check_short_cost(model, heldin, base, start, factor: float, native: int, protocol: Protocol, config: SearchConfig, *,
+                     store, setup) -> dict[str, Any]:
+    """``--max-short-cost``: a candidate's perplexity ratio to the unpatched model at the native length must stay within
+    1 + the bound. Up to the native length every longrope candidate runs the same short factors (ones) and the same
+    attention factor, so one score (the starting candidate's) is every candidate's: either none is rejected, or all
+    are and the search is refused before it starts, in one line."""
+    bound = float(config.max_short_cost)
+    spec = longrope_spec(start, factor=factor, native_length=native)
+    ratio, low, high = short_context_cost(model, heldin, spec, native, protocol, store=store, setup=setup,
+                                          loss_chunk=config.loss_chunk, progress=config.progress)
+    attention = rope_longrope(base, native, **{k: v for k, v in spec.items() if k != "name"})[1]
+    why = (f"up to the native length every longrope candidate runs its short factors (ones) and the attention factor "
+           f"sqrt(1 + ln s / ln L) = {attention:.4f}, so all candidates share this cost")
+    cost = cost_text(ratio, low, high)
+    if not ratio <= 1 + bound:
+        raise ConfigError(f"--max-short-cost {bound:g}: every candidate costs {cost} perplexity against none at the "
+                          f"native length {native:,} on the held-in documents, over +{100 * bound:g}% ({why}); raise "
+                          "the bound or leave it out")
+    return {"bound": bound, "length": native, "ratio_to_none": ratio, "ratio_low": low, "ratio_high": high,
+            "rejected": 0, "statement": f"short-context cost at {native:,} tokens (held-in): {cost} against none, "
+                                        f"within --max-short-cost +{100 * bound:g}%: no candidate rejected ({why})"}
 
 
 def _write_json(path: Path, value: Any) -> Path:
