@@ -153,6 +153,18 @@ def markdown(rows: list[dict]) -> str:
                      + [cost(row[f"cost_{n}"]) for n in PERPLEXITY_LENGTHS if n <= NATIVE]
                      + [key(row[f"passkey_{n}"]) for n in sorted(PASSKEY_LENGTHS)])
         lines.append("| " + " | ".join([row["method"], f"`{row['spec']}`", *cells]) + " |")
+    missing = [row["spec"] for row in rows if row["in_tree"] and any(
+        row[k] is None for k in row if k.startswith(("ppl_", "cost_", "passkey_")) and "difference" not in k)]
+    if missing:
+        lengths = ",".join(map(str, PERPLEXITY_LENGTHS))
+        lines += ["", "Not measured: `python scripts/compare_methods.py` measures the missing cells (it resumes), "
+                  "the same as, per method:", "", "```bash"]
+        for spec in missing:
+            lines.append(f"rope-patch eval --method {spec} --lengths {lengths} --dataset runs/compare/_pydecimal.txt "
+                         "--protocol truncate --dtype fp32 --output runs/compare/eval")
+            lines.append(f"rope-patch passkey --method {spec} --lengths {NATIVE},{2 * NATIVE} --depths 0.5 --trials 1 "
+                         "--dtype fp32 --output runs/compare/passkey")
+        lines.append("```")
     return "\n".join(lines)
 
 
