@@ -17,7 +17,8 @@ from typing import Any
 from ..files import atomic_write
 from .plots import length_axis, new_figure, save_figure, write_csv
 
-SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples", "max_length")
+SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples", "max_length", "difference_to_none")
+REFERENCE = "none"  # the short-context cost is the score difference to this method on the same task, metric, length
 
 
 def _number(value: Any) -> float | None:
@@ -48,8 +49,35 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict]:
     return rows
 
 
-def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One line per task · metric (@ length), one column per method."""
+def add_difference_to_reference(rows: Sequence[dict], native_length: int | None) -> list[dict]:
+    """Each row's ``difference_to_none``: its value minus none's for the same task, metric and length, where that
+    length (a RULER length, or the window lm-eval ran with) is at most ``native_length`` and none ran it; else None."""
+    reference = {(r["task"], r["metric"], r["length"], r["max_length"]): r["value"] for r in rows
+                 if r["method"] == REFERENCE}
+    for r in rows:
+        length = r["length"] if r["length"] is not None else r["max_length"]
+        theirs = reference.get((r["task"], r["metric"], r["length"], r["max_length"]))
+        short = native_length is not None and length is not None and length <= native_length
+        r["difference_to_none"] = r["value"] - theirs if short and theirs is not None else None
+    return list(rows)
+
+
+def short_cost_table(rows: Sequence[Mapping[str, Any]], native_length: int | None) -> str:
+    """The score difference to none at lengths up to native (rows of :func:`add_difference_to_reference`), or one
+    line saying why there is none; empty when no row is that short."""
+    short = [r for r in rows if native_length is not None
+             and (r["length"] if r["length"] is not None else r["max_length"] or native_length + 1) <= native_length]
+    if not short:
+        return ""
+    if not any(r["method"] == REFERENCE for r in rows):
+        return f"short-context cost: not reported, {REFERENCE} is not a --method (add --method {REFERENCE})"
+    differences = [{**r, "value": r["difference_to_none"]} for r in short if r["difference_to_none"] is not None]
+    return (f"short-context cost: score minus {REFERENCE}'s on the same task, metric and length, up to the native "
+            f"length\n{format_table(differences, signed=True)}")
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], *, signed: bool = False) -> str:
+    """One line per task · metric (@ length), one column per method (``signed``: values shown with their sign)."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cells: dict[tuple, dict[str, float]] = {}
     for r in rows:
@@ -61,14 +89,15 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = ["task · metric @ length".ljust(first) + "".join(m.rjust(w) for m, w in zip(methods, widths))]
     lines.append("-" * len(lines[0]))
     for name, values in zip(names, cells.values()):
-        lines.append(name.ljust(first) + "".join(_value_text(values.get(m)).rjust(w) for m, w in zip(methods, widths)))
+        lines.append(name.ljust(first) + "".join(_value_text(values.get(m), signed).rjust(w)
+                                                 for m, w in zip(methods, widths)))
     return "\n".join(lines)
 
 
-def _value_text(value: float | None) -> str:
+def _value_text(value: float | None, signed: bool = False) -> str:
     if value is None:
         return ""
-    return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return (f"{value:+.4g}" if signed else f"{value:.4g}") if math.isfinite(value) else str(value)
 
 
 def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *, settings: Mapping[str, Any] | None = None) -> Path:

@@ -7,24 +7,70 @@ files and the plots show the same numbers. File and figure plumbing is shared wi
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..files import atomic_write
 from .plots import file_stem, length_axis, new_figure, save_figure, write_csv
 
-CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy")
+CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy", "difference_to_none")
+REFERENCE = "none"  # the short-context cost is the accuracy difference to this method on the same prompts
+TRIAL_FIELDS = ("length", "depth", "trial", "seed")  # one prompt: the same key and filler for every method
 
 
-def summarize(records: Sequence[dict]) -> list[dict]:
-    """One row per method × length × depth (in first-seen order): trials, correct answers and accuracy."""
+def difference_to_reference(records: Sequence[dict], method: str, cell: Mapping[str, Any] | None = None
+                            ) -> tuple[float, int] | None:
+    """``(accuracy − none's accuracy, prompts)`` over the prompts both answered (the same key and filler), within
+    ``cell`` (e.g. ``{"length": 8192}``), or None where they share no prompt."""
+    def answers(name: str) -> dict[tuple, bool]:
+        return {tuple(r.get(f) for f in TRIAL_FIELDS): bool(r["correct"]) for r in records
+                if r["method"] == name and all(r[k] == v for k, v in (cell or {}).items())}
+
+    own, theirs = answers(method), answers(REFERENCE)
+    shared = [key for key in own if key in theirs]
+    if not shared:
+        return None
+    return sum(own[k] - theirs[k] for k in shared) / len(shared), len(shared)
+
+
+def summarize(records: Sequence[dict], *, native_length: int | None = None) -> list[dict]:
+    """One row per method × length × depth (in first-seen order): trials, correct answers and accuracy; at lengths up
+    to ``native_length``, the accuracy difference to none on the same prompts (None where none did not run them)."""
     cells: dict[tuple, list[bool]] = {}
     for r in records:
         cells.setdefault((r["method"], r["length"], r["depth"]), []).append(bool(r["correct"]))
-    return [
-        {"method": m, "length": n, "depth": d, "trials": len(hits), "correct": sum(hits), "accuracy": sum(hits) / len(hits)}
-        for (m, n, d), hits in cells.items()
-    ]
+    rows = []
+    for (m, n, d), hits in cells.items():
+        difference = None
+        if native_length is not None and n <= native_length:
+            paired = difference_to_reference(records, m, {"length": n, "depth": d})
+            difference = paired[0] if paired else None
+        rows.append({"method": m, "length": n, "depth": d, "trials": len(hits), "correct": sum(hits),
+                     "accuracy": sum(hits) / len(hits), "difference_to_none": difference})
+    return rows
+
+
+def short_cost_table(records: Sequence[dict], native_length: int | None) -> str:
+    """The accuracy difference to none per method at each length up to native (pooled over depths, the same prompts),
+    or one line saying why there is none."""
+    lengths = sorted({r["length"] for r in records if native_length is not None and r["length"] <= native_length})
+    if not lengths:
+        return ""
+    if not any(r["method"] == REFERENCE for r in records):
+        return (f"short-context cost: not reported, {REFERENCE} is not a --method (add --method {REFERENCE} to compare "
+                f"at {', '.join(f'{n:,}' for n in lengths)} tokens)")
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    width = max(len("method"), *map(len, methods))
+    lines = [f"short-context cost: passkey accuracy minus {REFERENCE}'s on the same prompts, at lengths up to native",
+             "method".ljust(width) + "".join(f"{n:>16,}" for n in lengths)]
+    lines.append("-" * len(lines[-1]))
+    for method in methods:
+        cells = [difference_to_reference(records, method, {"length": n}) for n in lengths]
+        lines.append(method.ljust(width) + "".join(
+            f"{'-' if c is None else f'{100 * c[0]:+.0f} pts ({c[1]})':>16}" for c in cells))
+    lines.append("(n): prompts both answered")
+    return "\n".join(lines)
 
 
 def pooled(records: Sequence[dict], by: str | tuple[str, ...] = "length") -> dict[str, dict]:
@@ -63,12 +109,14 @@ def _accuracy_text(cell: tuple[int, int] | None) -> str:
     return f"{correct}/{trials} {100 * correct / trials:3.0f}%"
 
 
-def write_json(records: Sequence[dict], path: str | Path, *, settings: dict | None = None) -> Path:
-    """The run's settings, the per-cell rows and the per-length accuracy of each method."""
+def write_json(records: Sequence[dict], path: str | Path, *, settings: dict | None = None,
+               native_length: int | None = None) -> Path:
+    """The run's settings, the per-cell rows (with the difference to none up to native) and the per-length accuracy
+    of each method."""
     summary = {
         "task": "passkey retrieval (greedy decoding, first integer of the answer)",
         "settings": settings or {},
-        "cells": summarize(records),
+        "cells": summarize(records, native_length=native_length),
         "by_length": {m: [{"length": n, "correct": c, "trials": t, "accuracy": c / t} for n, (c, t) in row.items()]
                       for m, row in pooled(records, "length").items()},
     }
@@ -129,8 +177,8 @@ def write_reports(records: Sequence[dict], output_dir: str | Path, *, settings: 
     into ``output_dir``."""
     out = Path(output_dir)
     files = {
-        "csv": write_csv(summarize(records), out / "summary.csv", CELL_FIELDS),
-        "json": write_json(records, out / "summary.json", settings=settings),
+        "csv": write_csv(summarize(records, native_length=native_length), out / "summary.csv", CELL_FIELDS),
+        "json": write_json(records, out / "summary.json", settings=settings, native_length=native_length),
         "plot": plot_accuracy_vs_length(records, out / "accuracy_vs_length.png", native_length=native_length),
     }
     methods = list(dict.fromkeys(r["method"] for r in records))

@@ -1,8 +1,9 @@
 """Perplexity reports: the methods × lengths table, summary.csv / summary.json, and two plots.
 
 :func:`summarize` turns per-document records (see :mod:`rope_patch.eval.perplexity`) into one row per method × length,
-token-weighted with a bootstrap interval over documents; everything else only formats or draws those rows, so the
-terminal, the files and the plots always show the same numbers.
+token-weighted with a bootstrap interval over documents, and at lengths up to the native one the *short-context cost*:
+the perplexity ratio to the unpatched model ("none") on the same documents, with a paired bootstrap interval;
+everything else only formats or draws those rows, so the terminal, the files and the plots always show the same numbers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from ..errors import DataError
 from .perplexity import EvalFailure
 from .windows import bootstrap_interval, describe_protocol, perplexity
 from ..files import atomic_write
@@ -22,7 +24,34 @@ from .plots import length_axis, new_figure, save_figure, write_csv
 from .sweep import MethodEntry
 
 SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
-                  "documents", "tokens", "skipped", "shared_forward", "status")
+                  "ratio_to_none", "ratio_low", "ratio_high", "documents", "tokens", "skipped", "shared_forward",
+                  "status")
+REFERENCE = "none"  # the short-context cost is the ratio to this method's perplexity
+NAN = float("nan")
+
+
+def ratio_to_reference(cell: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]
+                       ) -> tuple[float, float, float]:
+    """``(ratio, low, high)``: a method's token-weighted perplexity over the reference's on the documents both scored,
+    exp(Σ (NLL − NLL_ref) / Σ tokens), and its 95 % paired bootstrap interval. The resampled units are the (document,
+    position bin) blocks of the records, the same blocks for both, so the interval exists for a single document; NaN
+    where the two share no document."""
+    own = {r["document"]: r for r in cell}
+    shared = [(own[r["document"]], r) for r in reference if r["document"] in own]
+    if not shared:
+        return NAN, NAN, NAN
+    difference, tokens = [], []
+    for mine, theirs in shared:
+        if list(mine["position_tokens"]) != list(theirs["position_tokens"]):  # not the same windows: cannot pair
+            raise DataError(f"document {mine['document']}: {mine['method']} and {REFERENCE} scored different tokens "
+                            "at one length, so their perplexities cannot be paired; evaluate both in one run")
+        counts = np.asarray(mine["position_tokens"], dtype=np.float64)
+        keep = counts > 0
+        difference.append((np.asarray(mine["position_nll"]) - np.asarray(theirs["position_nll"]))[keep])
+        tokens.append(counts[keep])
+    difference, tokens = np.concatenate(difference), np.concatenate(tokens)  # (blocks,)
+    low, high = bootstrap_interval(difference, tokens)  # exp(Σ ΔNLL / Σ tokens) is the ratio
+    return perplexity(float(difference.sum()), int(tokens.sum())), low, high
 
 
 def summarize(
@@ -35,9 +64,14 @@ def summarize(
     bos: bool = False,
     skipped: int = 0,
     failures: Sequence[EvalFailure] = (),
+    native_length: int | None = None,
+    reference: Sequence[Mapping[str, Any]] = (),
 ) -> list[dict]:
-    """One row per (method, length) in the order asked, failed or missing cells included with their status."""
+    """One row per (method, length) in the order asked, failed or missing cells included with their status. At lengths
+    up to ``native_length``, ``ratio_to_none`` (and its interval) compares each method with the ``none`` records among
+    ``records`` and ``reference`` (the job scores none there when it is not a method of the sweep)."""
     failed = {(f.method, f.length): f.reason for f in failures}
+    pool = [*records, *reference]
     rows = []
     for entry in methods:
         for length in lengths:
@@ -46,11 +80,14 @@ def summarize(
             low, high = bootstrap_interval(nll, tokens) if cell else (float("nan"), float("nan"))
             reason = failed.get((entry.label, length))
             status = "ok" if cell else f"failed: {reason}" if reason else "missing"
+            ratio = (NAN, NAN, NAN)
+            if cell and native_length is not None and length <= native_length:
+                ratio = ratio_to_reference(cell, [r for r in pool if r["method"] == REFERENCE and r["length"] == length])
             rows.append({
                 "method": entry.label, "name": entry.name, "params": json.dumps(entry.params, sort_keys=True),
                 "length": int(length), "protocol": protocol, "stride": stride if protocol == "sliding" else None,
                 "bos": bool(bos), "perplexity": perplexity(sum(nll), sum(tokens)), "ci_low": low, "ci_high": high,
-                "documents": len(cell), "tokens": int(sum(tokens)), "skipped": int(skipped),
+                "ratio_to_none": ratio[0], "ratio_low": ratio[1], "ratio_high": ratio[2], "documents": len(cell), "tokens": int(sum(tokens)), "skipped": int(skipped),
                 "shared_forward": any(r.get("forward_length", length) > length for r in cell), "status": status,
             })
     return rows
@@ -79,6 +116,33 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     plural = "s" if documents != 1 else ""
     lines.append(f"{_protocol_of(rows)}; {documents} document{plural} ({rows[0]['skipped']} skipped as too short); "
                  "95% intervals in summary.csv")
+    cost = short_cost_table(rows)
+    return "\n".join(lines) + (f"\n\n{cost}" if cost else "")
+
+
+def cost_text(ratio: float, low: float, high: float) -> str:
+    """A perplexity ratio as a change with its interval: ``+3.6% [+3.1, +4.0]``; ``-`` where there is none."""
+    if not np.isfinite(ratio):
+        return "-"
+    return f"{100 * (ratio - 1):+.1f}% [{100 * (low - 1):+.1f}, {100 * (high - 1):+.1f}]"
+
+
+def short_cost_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The short-context cost block: each method's perplexity change against none at the lengths up to native (those
+    with a ratio), with its 95 % paired interval; empty when no length has one."""
+    lengths = list(dict.fromkeys(r["length"] for r in rows if np.isfinite(r.get("ratio_to_none", NAN))))
+    if not lengths:
+        return ""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cells = {(r["method"], r["length"]): r for r in rows}
+    width = max([len("method")] + [len(m) for m in methods])
+    texts = {(m, n): cost_text(cells[(m, n)]["ratio_to_none"], cells[(m, n)]["ratio_low"], cells[(m, n)]["ratio_high"])
+             for m in methods for n in lengths}
+    column = max([24] + [len(t) + 2 for t in texts.values()])
+    header = "method".ljust(width) + "".join(f"{n:>{column},}" for n in lengths)
+    lines = [f"short-context cost: perplexity change against {REFERENCE} on the same documents, at lengths up to "
+             "native [95% paired bootstrap over (document, position bin) blocks]", header, "-" * len(header)]
+    lines += [m.ljust(width) + "".join(f"{texts[(m, n)]:>{column}}" for n in lengths) for m in methods]
     return "\n".join(lines)
 
 

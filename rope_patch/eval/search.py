@@ -22,6 +22,7 @@ from ..data import TokenizedDocument
 from ..errors import RopePatchError
 from ..patching import patched
 from .perplexity import evaluate
+from .perplexity_report import REFERENCE, ratio_to_reference
 from .windows import Protocol, perplexity
 from .store import ResultStore, record_key
 from .sweep import method_entries
@@ -77,6 +78,25 @@ class CandidateScorer:
         self.known[record_key(record, CANDIDATE_FIELDS)] = record
         self.computed += 1
         return float(record["perplexity"])
+
+
+def short_context_cost(model: nn.Module, documents: Sequence[TokenizedDocument], spec: Mapping[str, Any],
+                       native_length: int, protocol: Protocol, *, store: ResultStore | None = None,
+                       setup: Mapping[str, Any] | None = None, loss_chunk: int = 1024, progress: bool = False
+                       ) -> tuple[float, float, float]:
+    """``(ratio, low, high)``: the perplexity of ``spec`` over the unpatched model's ("none") on ``documents`` at the
+    native length, with its 95 % paired interval (:func:`~.perplexity_report.ratio_to_reference`). Resumable through
+    ``store``. For a ``longrope`` spec it is the same for every long factor list: up to the native length longrope runs
+    its short factors and its attention factor only."""
+    records, failures = evaluate(model, documents, [REFERENCE, dict(spec)], [native_length], protocol,
+                                 loss_chunk=loss_chunk, store=store, setup=setup, progress=progress)
+    label = method_entries(model, [dict(spec)])[0].label
+    cells = {name: [r for r in records if r["method"] == name] for name in (REFERENCE, label)}
+    if failures or any(len(cell) != len(documents) for cell in cells.values()):
+        reason = failures[0].reason if failures else "a document was not scored"
+        raise RopePatchError(f"search --max-short-cost: the native length {native_length:,} could not be scored "
+                             f"({reason}); try --dtype bf16 or fewer --documents")
+    return ratio_to_reference(cells[label], cells[REFERENCE])
 
 
 def compare_methods(model: nn.Module, documents: Sequence[TokenizedDocument], methods: Mapping[str, Any],

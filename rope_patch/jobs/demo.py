@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..eval.perplexity_report import cost_text
 from ..patching import native_length
 from .common import load_for_job
 from .configs.demo import DemoConfig
@@ -45,17 +46,19 @@ class DemoResult:
 
 
 def findings(result: DemoResult) -> str:
-    """What the numbers say, in a few lines computed from them (perplexity at the native and the longest length,
-    passkey accuracy per method and length)."""
-    rows = {(r["method"], r["length"]): r["perplexity"] for r in result.eval.rows if r["status"] == "ok"}
+    """What the numbers say, in a few lines computed from them (perplexity at the native and the longest length, the
+    short-context cost at the native length, passkey accuracy per method and length)."""
+    rows = {(r["method"], r["length"]): r for r in result.eval.rows if r["status"] == "ok"}
     lengths = sorted({length for _, length in rows})
     native = result.eval.settings["native_length"]
-    lines = ["what this run shows (perplexity at the native length -> at the longest; passkey found/trials):"]
+    lines = ["what this run shows (perplexity at the native length -> at the longest; short-context cost: the change "
+             "against none at the native length, 95% interval; passkey found/trials):"]
     for method in result.plan.eval_methods:
         at_native, longest = rows.get((method, native)), rows.get((method, lengths[-1]))
         if at_native is not None and longest is not None:
-            lines.append(f"  {method:<18} perplexity {at_native:6.2f} at {native:,} "
-                         f"-> {longest:6.2f} at {lengths[-1]:,}")
+            cost = cost_text(at_native["ratio_to_none"], at_native["ratio_low"], at_native["ratio_high"])
+            lines.append(f"  {method:<18} perplexity {at_native['perplexity']:6.2f} at {native:,} "
+                         f"-> {longest['perplexity']:6.2f} at {lengths[-1]:,}; short-context cost {cost}")
     for method in result.plan.passkey_methods:
         cells = []
         for length in sorted({r["length"] for r in result.passkey.records}):

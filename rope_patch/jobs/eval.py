@@ -15,7 +15,7 @@ from ..data import documents_fingerprint, load_documents, select_documents, toke
 from ..errors import ConfigError
 from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate
 from ..eval.window_loss import check_chunked_loss
-from ..eval.perplexity_report import format_table, summarize, write_reports
+from ..eval.perplexity_report import REFERENCE, format_table, summarize, write_reports
 from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.store import open_store
@@ -40,10 +40,22 @@ class EvalResult:
     def __str__(self) -> str:
         s = self.settings
         text = (f"perplexity, {s['model']} ({s['dtype']}), native length {s['native_length']:,}, data {s['data']}\n"
-                f"{self.table}")
+                f"{self.table}\nshort-context cost: {s['short_cost']}")
         if self.files:
             text += f"\n\nresults: {s['output']}/results.jsonl; summaries and plots: {', '.join(map(str, self.files.values()))}"
         return text
+
+
+def short_cost_note(short: list[int], *, in_sweep: bool, scored: bool) -> str:
+    """What the short-context cost column holds in this run, in words for the table and summary.json."""
+    if not short:
+        return "not reported: no length up to the native one"
+    at = f"perplexity ratio to {REFERENCE} at {', '.join(f'{n:,}' for n in short)} tokens"
+    if in_sweep:
+        return at
+    if scored:
+        return f"{at} ({REFERENCE} scored there for it, not a row of the table)"
+    return f"not reported: --no-short-cost and {REFERENCE} is not a --method"
 
 
 def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
@@ -106,8 +118,19 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
                                      batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,
                                      setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress)
-    rows = summarize(records, method_entries(model, config.method), config.lengths, protocol=config.protocol,
-                     stride=protocol.effective_stride, bos=protocol.bos, skipped=skipped, failures=failures)
+        entries = method_entries(model, config.method)
+        in_sweep = REFERENCE in {e.label for e in entries}
+        short = [n for n in config.lengths if settings["native_length"] and n <= settings["native_length"]]
+        reference = []
+        if config.short_cost and short and not in_sweep:  # cheap beside the long lengths
+            reference, missed = evaluate(model, chosen, [REFERENCE], short, protocol, batch_size=config.batch_size,
+                                         loss_chunk=config.loss_chunk, store=store, setup=setup,
+                                         accelerator=accelerator, shards=sharding, progress=config.progress)
+            failures = [*failures, *missed]
+    settings["short_cost"] = short_cost_note(short, in_sweep=in_sweep, scored=config.short_cost)
+    rows = summarize(records, entries, config.lengths, protocol=config.protocol, stride=protocol.effective_stride,
+                     bos=protocol.bos, skipped=skipped, failures=failures, native_length=settings["native_length"],
+                     reference=reference)
     files = {}
     if config.output is not None and accelerator.is_main_process:
         files = write_reports(rows, records, config.output, settings=settings, native_length=settings["native_length"])

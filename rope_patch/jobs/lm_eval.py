@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_lengths, sweep_window
 from ..eval.harness_engines import HfEngine, VllmEngine
 from ..eval.vllm_engine import require_vllm
-from ..eval.harness_report import format_table, summarize, write_reports
+from ..eval.harness_report import add_difference_to_reference, format_table, short_cost_table, summarize, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -37,6 +37,9 @@ class LmEvalResult:
         s = self.settings
         text = [f"lm-evaluation-harness, {s['model']} ({s['dtype']}), native length {s['native_length']:,}, "
                 f"limit {s['limit']}", format_table(self.rows)]
+        cost = short_cost_table(self.rows, s["native_length"])
+        if cost:
+            text.append(f"\n{cost}")
         if self.files:
             text.append(f"\nlm-eval results: {s['output']}/<method>/<model>/results_*.json; results: "
                         f"{s['output']}/results.jsonl; summaries and plots: "
@@ -84,7 +87,7 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
             setup=config.setup(loaded), model_name=loaded.label, catalog=catalog, progress=config.progress,
             engine=engine,
         )
-    rows = summarize(records)
+    rows = add_difference_to_reference(summarize(records), native_length(loaded.model))
     settings = {"model": loaded.label, "dtype": loaded.dtype, "engine": config.engine,
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
                 "include_path": config.include_path, "max_length": window, "batch_size": config.batch_size,

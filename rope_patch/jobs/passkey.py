@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..eval.passkey import KEY_FIELDS, evaluate_passkey
-from ..eval.passkey_report import format_table, write_reports
+from ..eval.passkey_report import format_table, short_cost_table, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -27,6 +27,9 @@ class PasskeyResult:
         s = self.settings
         text = [f"passkey accuracy (correct/trials), {s['model']}, native length {s['native_length']:,}",
                 format_table(self.records)]
+        cost = short_cost_table(self.records, s["native_length"])
+        if cost:
+            text.append(f"\n{cost}")
         if len(s["depths"]) > 1:
             text += ["\nby key depth (0 = start of the filler), all lengths pooled", format_table(self.records, by="depth"),
                      "\nby length and key depth (also in summary.csv and heatmaps.png)",

@@ -27,11 +27,14 @@ from ..errors import ConfigError, DataError
 from ..eval.perplexity import KEY_FIELDS
 from ..eval.window_loss import check_chunked_loss
 from ..eval.windows import Protocol
-from ..eval.search import CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, transformers_snippet
+from ..eval.perplexity_report import cost_text
+from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, short_context_cost,
+                               transformers_snippet)
 from ..eval.search_report import format_table, write_reports
 from ..files import atomic_write, output_folder
 from ..eval.store import open_store
 from ..eval.sweep import model_setup
+from ..methods.frequency import rope_longrope
 from ..methods.evolution import Scored, SearchTrace, evolve, method_factors, yarn_factors
 from ..patching import input_device, native_length, primary_rotary, rotary_setup
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
@@ -60,6 +63,8 @@ class SearchResult:
         text = (f"longrope search, {s['model']} ({s['dtype']}), native length {s['native_length']:,}, target "
                 f"{s['target_length']:,} (factor {s['factor']:g}): {len(t.scored)} candidates ({t.stopped}), best "
                 f"held-in perplexity {self.best.fitness:.3f}\nlong_factor {list(self.best.factors)}")
+        if "short_cost" in s:
+            text += f"\n{s['short_cost']['statement']}"
         if self.table:
             text += f"\n\n{self.table}"
         if self.files:
@@ -152,6 +157,11 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
 
     start = yarn_factors(base, factor)
     with fast_path(model, config.kernels):
+        if config.max_short_cost is not None:
+            short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
+                                                         KEY_FIELDS, job=JOB))
+            settings["short_cost"] = check_short_cost(model, heldin, base, start, factor, native, protocol, config,
+                                                      store=short_store, setup=setup)
         trace = evolve(start, scorer, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
                        on_scored=scored)
         bar.close()
@@ -183,6 +193,29 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         title = f"{loaded.label}: longrope factors for {config.target_length:,} tokens (factor {factor:g})"
         files |= write_reports(rows, trace, curves, out, settings=settings, title=title)
     return SearchResult(trace.best, spec, snippet, rows, trace, files, table, settings)
+
+
+def check_short_cost(model, heldin, base, start, factor: float, native: int, protocol: Protocol, config: SearchConfig, *,
+                     store, setup) -> dict[str, Any]:
+    """``--max-short-cost``: a candidate's perplexity ratio to the unpatched model at the native length must stay within
+    1 + the bound. Up to the native length every longrope candidate runs the same short factors (ones) and the same
+    attention factor, so one score (the starting candidate's) is every candidate's: either none is rejected, or all
+    are and the search is refused before it starts, in one line."""
+    bound = float(config.max_short_cost)
+    spec = longrope_spec(start, factor=factor, native_length=native)
+    ratio, low, high = short_context_cost(model, heldin, spec, native, protocol, store=store, setup=setup,
+                                          loss_chunk=config.loss_chunk, progress=config.progress)
+    attention = rope_longrope(base, native, **{k: v for k, v in spec.items() if k != "name"})[1]
+    why = (f"up to the native length every longrope candidate runs its short factors (ones) and the attention factor "
+           f"sqrt(1 + ln s / ln L) = {attention:.4f}, so all candidates share this cost")
+    cost = cost_text(ratio, low, high)
+    if not ratio <= 1 + bound:
+        raise ConfigError(f"--max-short-cost {bound:g}: every candidate costs {cost} perplexity against none at the "
+                          f"native length {native:,} on the held-in documents, over +{100 * bound:g}% ({why}); raise "
+                          "the bound or leave it out")
+    return {"bound": bound, "length": native, "ratio_to_none": ratio, "ratio_low": low, "ratio_high": high,
+            "rejected": 0, "statement": f"short-context cost at {native:,} tokens (held-in): {cost} against none, "
+                                        f"within --max-short-cost +{100 * bound:g}%: no candidate rejected ({why})"}
 
 
 def _write_json(path: Path, value: Any) -> Path:

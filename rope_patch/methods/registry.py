@@ -7,7 +7,8 @@ rotary pairs, and the factor by which cos and sin are multiplied. This is transf
 :mod:`rope_patch.methods` imports transformers. Parameter names follow transformers' ``rope_parameters`` keys.
 
 An attention method (``kind="attention"``, :mod:`rope_patch.methods.attention`) instead maps absolute positions to the
-positions far query-key pairs are rotated at; it leaves the frequencies alone.
+positions query-key pairs are rotated at (its ``Bands``, or a far band's pair of maps beyond a ``window``); it leaves
+the frequencies alone.
 
 The built-in methods live in :mod:`rope_patch.methods.frequency` and :mod:`rope_patch.methods.attention`; a user adds
 one with :func:`register_method`.
@@ -83,9 +84,6 @@ def register_method(method: Method, *, overwrite: bool = False) -> Method:
     """Add a method to the registry (``patch(model, method.name, ...)`` then works with it)."""
     if method.name in METHODS and not overwrite:
         raise InvalidParameterError(f"a method named {method.name!r} is registered already; pass overwrite=True to replace it")
-    if method.kind == "attention" and "window" not in method.params:
-        raise InvalidParameterError(f"attention method {method.name!r} needs a 'window' parameter: the width W of the "
-                                    "near band, where pairs keep their trained positions")
     METHODS[method.name] = method
     return method
 
@@ -188,8 +186,15 @@ def check_output(name: str, base: RopeBase, params: Mapping[str, Any]) -> None:
     where = f"this model (rope_theta {base.rope_theta:g}, rotary dim {base.dim}, native length {base.native_length})"
     try:
         if method.kind == "attention":
+            result = method.compute(**params)
+            layouts = getattr(result, "layouts", None)  # methods.attention.Bands, or a (far_q, far_k) pair
+            if layouts is None and "window" not in params:
+                raise InvalidParameterError(f"attention method {name!r} returns a pair of position maps, which needs "
+                                            "a 'window' parameter: the width W of the near band, where pairs keep "
+                                            "their trained positions")
             probe = torch.tensor([0.0, 1.0, float(base.native_length), float(MAX_POSITION)])  # [4] absolute positions
-            if not all(torch.isfinite(far(probe)).all() for far in method.compute(**params)):
+            maps = [m for layout in (layouts or (result,)) for m in layout]
+            if not all(torch.isfinite(far(probe)).all() for far in maps):
                 raise InvalidParameterError(f"{spelt}: these parameters give non-finite positions; use smaller values")
             return
         for seq_len in (None, MAX_POSITION) if method.length_dependent else (None,):

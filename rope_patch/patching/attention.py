@@ -2,13 +2,13 @@
 ``AttentionInterface``, installed per model instance by pointing ``config._attn_implementation`` at it.
 
 No modeling code is copied: the family's attention module still projects, rotates (with its possibly patched rotary
-module) and caches; the function registered here receives q and k already rotated at their absolute positions. The far
-band needs them rotated at the method's remapped positions instead, so it rotates them once more, by far(i) − i for
-queries and far(j) − j for keys, with plain cos/sin of the rotary module's current ``inv_freq`` (any attention factor
+module) and caches; the function registered here receives q and k already rotated at their absolute positions. Each of the
+method's remapped layouts needs them rotated at its positions instead, so it rotates them once more, by q_b(i) − i
+for queries and k_b(j) − j for keys, with plain cos/sin of the rotary module's current ``inv_freq`` (any attention factor
 is already inside q·k, and rotations compose), in the layer's own pair layout, measured when the patch is installed
-(:mod:`.layer_rotation`). Layers the family leaves unrotated (NoPE) get plain causal attention, as they had. Both
-score bands are built tile by tile over query blocks and merged pair by pair by distance before the softmax; the mask
-is built tile by tile too (:mod:`.tiled_mask`): no L × L tensor per head. The tensor maths of the two
+(:mod:`.layer_rotation`). Layers the family leaves unrotated (NoPE) get plain causal attention, as they had. The
+layouts are scored tile by tile over query blocks and chosen pair by pair (by distance, or by chunk) before one
+softmax; the mask is built tile by tile too (:mod:`.tiled_mask`): no L × L tensor per head. The tensor maths of the
 bands is :mod:`.two_band`; this module is the surgery around it: positions, the registered function, installation.
 
 Positions are read where transformers gives them: the queries' are the ``position_ids`` the decoder layers receive
@@ -32,13 +32,13 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..errors import InvalidParameterError, UnsupportedModelError
-from ..methods import get_method
+from ..errors import UnsupportedModelError
+from ..methods.attention import Bands, attention_bands
 from .layer_rotation import layer_inv_freq, probe_layer_rotations, rotate_by
 from .offload import lacks_weights
 from .rotary import MISSING, find_rotary_modules
 from .tiled_mask import TiledMask, tiled_mask
-from .two_band import two_band_attention
+from .two_band import PLAIN, banded_attention
 
 ATTENTION_NAME = "rope_patch"  # the name our function is registered under in transformers' attention interface
 SETUP_ATTR = "_rope_patch_attention"
@@ -48,14 +48,12 @@ POSITIONS_ATTR = "_rope_patch_key_positions"  # on a cache layer: [b, k] positio
 
 @dataclass
 class AttentionSetup:
-    """One model's attention method: the far-band position maps, the rotary module whose frequencies it reads, each
+    """One model's attention method: its position layouts, the rotary module whose frequencies it reads, each
     layer's pair layout ("half", "interleaved" or "none"), and the positions of the current forward (recorded by a hook
     on the rotary module, for families whose layers are not given ``position_ids``)."""
 
     label: str
-    window: int
-    far_query: Any  # position map: absolute positions (fp32) -> far-band positions
-    far_key: Any
+    bands: Bands
     rotary: nn.Module
     layer_types: list[str] | None
     layouts: dict[int, str] = field(default_factory=dict)
@@ -126,8 +124,8 @@ def plain_attention(query, key, value, mask, scaling: float, softcap: float | No
         out = F.scaled_dot_product_attention(query, key, value, is_causal=length > 1 and length == keys, scale=scaling)
         return out.transpose(1, 2).contiguous()
     positions = torch.zeros(query.shape[0], keys, device=query.device)
-    return two_band_attention(query, key, value, query, key, positions[:, keys - length:], positions, 1, mask,
-                              scaling, softcap)
+    return banded_attention(query, key, value, [], positions[:, keys - length:], positions, PLAIN, mask, scaling,
+                            softcap)
 
 
 def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -153,11 +151,13 @@ def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         return plain_attention(query, key, value, attention_mask, scale, softcap), None
     q_pos, k_pos = q_pos.to(query.device), k_pos.to(query.device)
     inv_freq = setup.inv_freq(module).to(query.device)
-    far_query = rotate_by(query, setup.far_query(q_pos) - q_pos, inv_freq, layout)
-    far_key = rotate_by(key, setup.far_key(k_pos) - k_pos, inv_freq, layout)
-    key, far_key, value = (_repeat_heads(x, heads) for x in (key, far_key, value))
-    output = two_band_attention(query, key, value, far_query, far_key, q_pos, k_pos, setup.window, attention_mask,
-                                scale, softcap)
+    far, rotated_keys = [], {}  # layouts that share a key map (DCA's) share its rotated keys
+    for query_map, key_map in setup.bands.layouts:
+        if id(key_map) not in rotated_keys:
+            rotated_keys[id(key_map)] = _repeat_heads(rotate_by(key, key_map(k_pos) - k_pos, inv_freq, layout), heads)
+        far.append((rotate_by(query, query_map(q_pos) - q_pos, inv_freq, layout), rotated_keys[id(key_map)]))
+    key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
+    output = banded_attention(query, key, value, far, q_pos, k_pos, setup.bands, attention_mask, scale, softcap)
     return output, None
 
 
@@ -190,14 +190,12 @@ def measure_layouts(model: nn.Module) -> dict[int, str]:
 
 def install_attention(model: nn.Module, method: str, params: dict[str, Any], label: str,
                       layouts: dict[int, str]) -> AttentionSetup:
-    """Point every attention module of ``model`` at the two-band attention of ``method`` (validated params; every
-    attention method has a ``window``, checked when it is registered), rotating each layer in ``layouts``."""
-    if "window" not in params:
-        raise InvalidParameterError(f"attention method {method!r} has no 'window' parameter (the near band's width)")
-    far_query, far_key = get_method(method).compute(**params)
+    """Point every attention module of ``model`` at the banded attention of ``method`` (validated params), rotating
+    each layer in ``layouts``."""
+    bands = attention_bands(method, params)
     _, rotary = find_rotary_modules(model)[0]
     modules = attention_modules(model)
-    setup = AttentionSetup(label, int(params["window"]), far_query, far_key, rotary,
+    setup = AttentionSetup(label, bands, rotary,
                            getattr(rotary.config, "layer_types", None), layouts=dict(layouts),
                            attention_modules=modules)
 

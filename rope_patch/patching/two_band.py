@@ -1,8 +1,13 @@
-"""Two-band attention on tensors: pairs closer than a window score the rotated query·key as trained (the near band),
-farther pairs score the query and key rotated at an attention method's remapped positions (the far band), merged pair
-by pair before one softmax. Queries go in tiles so that no L × L tensor exists: a fused kernel scores the keys every
-row of a tile sees in the far band (its log-sum-exp merged with the hand-scored band around the diagonal), or every
-tile is scored by hand where a mask, a softcap or irregular positions require it. Pure tensor maths: the surgery that
+"""Banded attention on tensors: every query-key pair is scored in one of an attention method's position layouts (the
+trained rotation, or the query and key rotated at remapped positions), chosen pair by pair, and all pairs are merged
+by one softmax. Self-Extend and ReRoPE have two bands chosen by distance (near: trained; far: remapped), Dual Chunk
+Attention three chosen by chunk (:class:`rope_patch.methods.attention.Bands`).
+
+Queries go in tiles so that no L × L tensor exists. Where positions are regular (no mask, no softcap, one set of
+positions that grows by at least 1 per token: every perplexity window, every passkey prompt, PoSE's skips), the
+method names, for each tile, the runs of keys in which every pair has one layout; each run goes through a fused
+attention kernel that returns its log-sum-exp, only the keys around the diagonal are scored by hand, and the pieces are
+merged by their log-sum-exps. Else every tile is scored by hand over all its keys. Pure tensor maths: the surgery that
 feeds it is in :mod:`.attention`.
 """
 
@@ -10,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from ..methods.attention import Bands
 from .tiled_mask import TiledMask
 
 TILE_BYTES = 64 * 2**20  # fp32 score bytes of one query tile (all heads) on a CPU: the peak extra memory of attention
 CUDA_TILE_BYTES = 1024 * 2**20  # on a GPU: fewer, larger tiles (kernel launches dominate small ones)
+PLAIN = Bands((), lambda i, j: torch.zeros_like(i - j, dtype=torch.long), lambda first, last: [])  # one layout
 
 
 def tile_bytes(device: torch.device) -> int:
@@ -25,55 +32,87 @@ def query_block_size(heads: int, keys: int, batch: int, budget: int) -> int:
     return max(16, budget // max(1, 4 * heads * keys * batch))
 
 
-def two_band_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, far_query: torch.Tensor,
-                       far_key: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int,
-                       mask: torch.Tensor | TiledMask | None, scaling: float,
-                       softcap: float | None = None) -> torch.Tensor:
-    """Softmax attention where pairs at distance d = q_pos − k_pos < ``window`` score query·key and farther pairs
-    score far_query·far_key. query/far_query [b, h, q, dim]; key/far_key/value [b, h, k, dim] (heads already repeated
-    for GQA); q_pos [b, q], k_pos [b, k]; mask: None (causal by index: the last query sees every key), a
-    :class:`TiledMask`, or a tensor [b, 1, q, k], bool (True = attend) or additive. Returns [b, q, h, dim]
-    (transformers' attention-function layout).
-
-    Without a mask or a softcap, and with positions that grow by at least 1 per token (one unpadded sequence: every
-    perplexity window, every passkey prompt, PoSE's skips), the keys every row of a query tile sees in the far band go
-    through a fused attention kernel that returns its log-sum-exp, and only the band of W + tile keys around the
-    diagonal is scored by hand; the two are merged by their log-sum-exps (a key W tokens back is then at least W
-    positions back: far). Else each tile is scored by hand over all its keys (:func:`exact_tile`)."""
+def banded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     far: list[tuple[torch.Tensor, torch.Tensor]], q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     bands: Bands, mask: torch.Tensor | TiledMask | None, scaling: float,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Softmax attention where each pair (query i, key j) scores in layout ``bands.choose(q_pos[i], k_pos[j])``:
+    layout 0 query·key, layout b ≥ 1 far[b-1][0]·far[b-1][1]. query and each far query [b, h, q, dim]; key, each far
+    key and value [b, h, k, dim] (heads already repeated for GQA); q_pos [b, q], k_pos [b, k]; mask: None (causal by
+    index: the last query sees every key), a :class:`TiledMask`, or a tensor [b, 1, q, k], bool (True = attend) or
+    additive. Returns [b, q, h, dim] (transformers' attention-function layout)."""
+    queries, keys_by_layout = [query] + [q for q, _ in far], [key] + [k for _, k in far]
     batch, heads, length, _ = query.shape
     keys = key.shape[2]
-    fused = mask is None and softcap is None and bool((k_pos.diff(dim=-1) >= 1).all())
-    # the fused kernels return no gradient for their log-sum-exp: under autograd (fine-tuning) the bulk is plain maths
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, far_query, far_key))
-    bulk_attention = explicit_attention_with_lse if training else attention_with_lse
+    one_set = k_pos.shape[0] == 1 or bool((k_pos == k_pos[:1]).all())
+    fused = mask is None and softcap is None and one_set and bool((k_pos.diff(dim=-1) >= 1).all())
+    # the fused kernels return no gradient for their log-sum-exp: under autograd (fine-tuning) the runs are plain maths
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in queries + keys_by_layout + [value])
+    run_attention = explicit_attention_with_lse if training else attention_with_lse
     budget = tile_bytes(query.device)
-    block = band_block_size(heads, window, batch, budget) if fused else query_block_size(heads, keys, batch, budget)
-    outputs = []
-    for start in range(0, length, block):
-        end = min(start + block, length)
-        key_end = keys - length + end  # keys after the last query of the tile are never attended (causal)
-        near_start = max(0, keys - length + start - window + 1)  # keys before this are far for every row of the tile
-        rows = slice(start, end)
-        if not fused:
+    if not fused:
+        block = query_block_size(heads, keys, batch, budget)
+        outputs = []
+        for start in range(0, length, block):
+            end = min(start + block, length)
+            key_end = keys - length + end  # keys after the last query of the tile are never attended (causal)
+            rows = slice(start, end)
             if mask is None:
                 tile_mask = causal_tile(start, end, keys - length, query.device)
             elif isinstance(mask, TiledMask):
                 tile_mask = mask.tile(start, end, key_end)
             else:
                 tile_mask = mask[:, :, rows, :key_end]
-            outputs.append(exact_tile(query[:, :, rows], key[:, :, :key_end], value[:, :, :key_end],
-                                      far_query[:, :, rows], far_key[:, :, :key_end], q_pos[:, rows],
-                                      k_pos[:, :key_end], window, tile_mask, scaling, softcap))
-            continue
-        band = slice(near_start, key_end)
-        out, lse = band_tile(query[:, :, rows], key[:, :, band], value[:, :, band], far_query[:, :, rows],
-                             far_key[:, :, band], q_pos[:, rows, None] - k_pos[:, None, band], window, scaling)
-        if near_start > 0:  # the far keys every row of the tile attends to in full: a fused kernel
-            bulk_out, bulk_lse = bulk_attention(far_query[:, :, rows], far_key[:, :, :near_start],
-                                                value[:, :, :near_start], scaling)
-            out = merge_by_lse(out, lse, bulk_out, bulk_lse)
+            chosen = bands.choose(q_pos[:, rows, None], k_pos[:, None, :key_end])[:, None]  # [b, 1, n, key_end]
+            outputs.append(exact_tile([q[:, :, rows] for q in queries], [k[:, :, :key_end] for k in keys_by_layout],
+                                      value[:, :, :key_end], chosen, tile_mask, scaling, softcap))
+        return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+    positions, key_positions = q_pos[0], k_pos[0]  # one set of positions for the whole batch
+    block = band_block_size(heads, hand_scored_width(bands), batch, budget)
+    outputs = []
+    for start, end in tiles(positions, block, bands.period):
+        key_end = keys - length + end
+        rows = slice(start, end)
+        pieces, run_start = [], 0
+        for bound, layout in bands.runs(positions[start].item(), positions[end - 1].item()):
+            run_end = max(run_start, int(torch.searchsorted(key_positions[:key_end], bound).item()))
+            if run_end > run_start:  # keys every row of the tile sees in one layout: a fused kernel
+                pieces.append(run_attention(queries[layout][:, :, rows], keys_by_layout[layout][:, :, run_start:run_end],
+                                            value[:, :, run_start:run_end], scaling))
+            run_start = run_end
+        band = slice(run_start, key_end)  # the keys around the diagonal, scored pair by pair
+        pair_q, pair_k = positions[rows, None], key_positions[None, band]  # [n, 1], [1, band]
+        chosen = torch.where(pair_q >= pair_k, bands.choose(pair_q, pair_k), -1)  # -1: a later key, masked
+        pieces.append(band_tile([q[:, :, rows] for q in queries], [k[:, :, band] for k in keys_by_layout],
+                                value[:, :, band], chosen, scaling))
+        out, lse = pieces[0]
+        for piece_out, piece_lse in pieces[1:]:
+            out, lse = merge_by_lse(out, lse, piece_out, piece_lse), torch.logaddexp(lse, piece_lse)
         outputs.append(out.to(value.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def hand_scored_width(bands: Bands) -> int:
+    """How many keys before a tile's first query the method leaves to be scored pair by pair (Self-Extend: W − 1;
+    DCA: none), read from its runs at a position that starts a period."""
+    first = float((bands.period or 1) * 2**20)
+    runs = bands.runs(first, first)
+    return int(first - runs[-1][0]) if runs else 0
+
+
+def tiles(positions: torch.Tensor, block: int, period: int | None) -> list[tuple[int, int]]:
+    """(start, end) rows of query tiles of at most ``block`` rows, a new tile wherever ⌊position / period⌋ changes."""
+    length = positions.shape[0]
+    breaks = [length]
+    if period:
+        periods = torch.div(positions, period, rounding_mode="floor")
+        breaks = (torch.nonzero(periods.diff()).flatten() + 1).tolist() + [length]
+    spans, start = [], 0
+    for stop in breaks:
+        while start < stop:
+            spans.append((start, min(start + block, stop)))
+            start = spans[-1][1]
+    return spans
 
 
 def causal_tile(start: int, end: int, past: int, device: torch.device) -> torch.Tensor:
@@ -92,17 +131,26 @@ def band_block_size(heads: int, window: int, batch: int, budget: int) -> int:
     return rows
 
 
-def band_tile(query, key, value, far_query, far_key, distance, window: int, scaling: float):
-    """Attention of one query tile over the band of keys around the diagonal, scored by hand: near pairs (0 ≤ d < W)
-    query·key, far pairs far_query·far_key, d < 0 masked. Returns (output [b, h, n, dim] fp32, log-sum-exp [b, h, n])."""
-    near = torch.matmul(query, key.transpose(-1, -2)).float()  # [b, h, n, band]
-    far = torch.matmul(far_query, far_key.transpose(-1, -2)).float()
-    distance = distance[:, None]  # [b, 1, n, band]
-    scores = torch.where(distance < window, near, far) * scaling
-    scores.masked_fill_(distance < 0, float("-inf"))
+def band_tile(queries, keys, value, chosen: torch.Tensor, scaling: float):
+    """Attention of one query tile over the keys around the diagonal, scored by hand: each pair in its layout
+    ``chosen`` [n, band] (-1: masked, a later key). queries/keys: one [b, h, n or band, dim] per layout. Returns
+    (output [b, h, n, dim] fp32, log-sum-exp [b, h, n])."""
+    scores = pair_scores(queries, keys, chosen) * scaling  # [b, h, n, band]
+    scores.masked_fill_(chosen < 0, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # every row sees its own key: finite
     probs = torch.exp(scores - lse[..., None])
     return torch.matmul(probs.to(value.dtype), value).float(), lse
+
+
+def pair_scores(queries, keys, chosen: torch.Tensor) -> torch.Tensor:
+    """fp32 query·key scores [b, h, n, k], each pair from its layout in ``chosen`` (broadcasting to them); a layout no
+    pair uses is not computed."""
+    scores = torch.matmul(queries[0], keys[0].transpose(-1, -2)).float()
+    for layout in range(1, len(queries)):
+        where = chosen == layout
+        if bool(where.any()):
+            scores = torch.where(where, torch.matmul(queries[layout], keys[layout].transpose(-1, -2)).float(), scores)
+    return scores
 
 
 def attention_with_lse(query, key, value, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,15 +184,12 @@ def merge_by_lse(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
     return out_a * torch.exp(lse_a - total)[..., None] + out_b * torch.exp(lse_b - total)[..., None]
 
 
-def exact_tile(query, key, value, far_query, far_key, q_pos, k_pos, window: int, mask: torch.Tensor,
-               scaling: float, softcap: float | None) -> torch.Tensor:
-    """One query tile over all its keys, scored by hand (any mask, softcap, positions): both bands, chosen pair by
-    pair by distance. query [b, h, n, dim], key [b, h, k, dim], mask [b or 1, 1, n, k] bool or additive.
-    Returns [b, h, n, dim]."""
-    distance = (q_pos[:, :, None] - k_pos[:, None, :])[:, None]  # [b, 1, n, k]
-    near = torch.matmul(query, key.transpose(-1, -2))
-    far = torch.matmul(far_query, far_key.transpose(-1, -2))
-    scores = torch.where(distance < window, near, far).float() * scaling
+def exact_tile(queries, keys, value, chosen: torch.Tensor, mask: torch.Tensor, scaling: float,
+               softcap: float | None) -> torch.Tensor:
+    """One query tile over all its keys, scored by hand (any mask, softcap, positions): each pair in its layout
+    ``chosen`` [b, 1, n, k]. queries [b, h, n, dim] and keys [b, h, k, dim], one per layout; mask [b or 1, 1, n, k]
+    bool or additive. Returns [b, h, n, dim]."""
+    scores = pair_scores(queries, keys, chosen) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:

@@ -19,7 +19,7 @@ from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 import rope_patch
 from rope_patch.cli import main
 from rope_patch.errors import MissingExtraError
-from rope_patch.eval.harness_report import summarize
+from rope_patch.eval.harness_report import add_difference_to_reference, summarize
 from rope_patch.patching.core import patch_state
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -311,7 +311,12 @@ def test_cli_writes_lm_evals_json_per_method_the_summary_and_the_plot(tiny_folde
     rows = json.loads((out / "summary.json").read_text())["rows"]
     assert {(r["method"], r["length"]) for r in rows} == {(m, n) for m in ("none", "yarn:factor=2") for n in (64, 128)}
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert summarize(records) == rows
+    assert add_difference_to_reference(summarize(records), 64) == rows  # the tiny model's native length is 64
+    raw = {(r["method"], r["length"]): r["results"]["tiny_rolling"]["word_perplexity,none"] for r in records}
+    cost = {(r["method"], r["length"]): r["difference_to_none"] for r in rows if r["metric"] == "word_perplexity"}
+    assert cost[("yarn:factor=2", 64)] == pytest.approx(raw[("yarn:factor=2", 64)] - raw[("none", 64)], rel=1e-12)
+    assert cost[("none", 64)] == 0 and cost[("yarn:factor=2", 128)] is None  # above native: none
+    assert "short-context cost: score minus none's" in printed
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -21,7 +21,7 @@ from rope_patch.eval import passkey as pk
 from rope_patch.eval.passkey import (
     FILLER, NEEDLE, QUESTION, KEY_FIELDS, PromptBuilder, evaluate_passkey, parse_answer, passkey_key,
 )
-from rope_patch.eval.passkey_report import format_table, summarize, write_reports
+from rope_patch.eval.passkey_report import format_table, short_cost_table, summarize, write_reports
 from rope_patch.eval.store import ResultStore
 from rope_patch.jobs import PasskeyConfig
 
@@ -220,10 +220,19 @@ def test_reports_count_correct_answers_per_cell_and_length(tmp_path):
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 12 and rows[0] == {"method": "none", "length": "100", "depth": "0.0", "trials": "1",
-                                            "correct": "1", "accuracy": "1.0"}
+                                            "correct": "1", "accuracy": "1.0", "difference_to_none": "0.0"}
+    differences = {(r["method"], r["length"], r["depth"]): r["difference_to_none"] for r in rows}
+    assert differences[("yarn:factor=2", "100", "1.0")] == "1.0"  # found where none missed, the same prompt
+    assert differences[("yarn:factor=2", "200", "1.0")] == ""  # above native: no short-context cost
     summary = json.loads(files["json"].read_text())
     assert summary["by_length"]["yarn:factor=2"][1] == {"length": 200, "correct": 2, "trials": 3, "accuracy": 2 / 3}
     assert summary["settings"] == {"seed": 0}
+    cost = short_cost_table(records, 150).splitlines()
+    assert cost[1].split() == ["method", "100"] and cost[4].split() == ["yarn:factor=2", "+33", "pts", "(3)"]
+    assert cost[3].split() == ["none", "+0", "pts", "(3)"] and short_cost_table(records, 50) == ""
+    without_none = [r for r in records if r["method"] != "none"]
+    assert "none is not a --method" in short_cost_table(without_none, 150)
+    assert all(r["difference_to_none"] is None for r in summarize(without_none, native_length=150))
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs == ["accuracy_vs_length.png", "heatmap_none.png", "heatmap_yarn_factor2.png", "heatmaps.png"]
 

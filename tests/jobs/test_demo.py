@@ -95,6 +95,11 @@ def test_demo_runs_every_part_and_a_rerun_resumes(tmp_path):
         (m, n, "ok") for m in ("none", "linear:factor=2", "ntk:factor=2", "yarn:factor=2") for n in (128, 256, 512)]
     assert [(r["method"], r["length"]) for r in first.passkey.records] == [("yarn:factor=2", 256), ("yarn:factor=2", 512)]
     assert "yarn:factor=2" in str(first) and "small grid" in str(first)
+    rows = {(r["method"], r["length"]): r for r in first.eval.rows}
+    yarn = rows[("yarn:factor=2", 256)]
+    assert rows[("none", 256)]["ratio_to_none"] == 1.0 and yarn["ratio_low"] <= yarn["ratio_to_none"] <= yarn["ratio_high"]
+    change = f"{100 * (yarn['ratio_to_none'] - 1):+.1f}%"  # the demo's findings show the cost at the native length
+    assert f"short-context cost {change} [" in str(first) and "short-context cost" in str(first.eval)
     stored = {part: (output / part / "results.jsonl").read_text() for part in ("eval", "passkey")}
 
     second = run_demo(model=str(folder), grid="small", dtype="fp32", output=str(output), progress=False)

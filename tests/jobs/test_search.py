@@ -4,6 +4,7 @@ found factors go to patch, eval and finetune as ``@best_method.json``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -191,7 +192,41 @@ def test_bad_searches_are_refused(workspace, overrides, error, message):
     (dict(parents=5), "cannot exceed"),
     (dict(candidates=0), "positive budget"),
     (dict(step=0.0), "grid step"),
+    (dict(max_short_cost=-0.01), "at least 0"),
 ])
 def test_bad_settings_are_refused_before_loading(overrides, message):
     with pytest.raises(ConfigError, match=message):
         SearchConfig(**{"population": 4, "parents": 2} | overrides)
+
+
+def native_losses(workspace: Path, ids: list[str], spec: dict | None) -> np.ndarray:
+    """Per-token NLL of each document's first NATIVE characters from plain forwards (the oracle), patched with spec."""
+    model = AutoModelForCausalLM.from_pretrained(workspace / "tiny", attn_implementation="eager",
+                                                 dtype=torch.float32).eval()
+    losses = []
+    with rope_patch.patched(model, spec) if spec else contextlib.nullcontext():
+        for name in ids:
+            tokens = make_char_tokenizer()((workspace / "corpus" / name).read_text()[:NATIVE],
+                                           add_special_tokens=False, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=tokens).logits[0].double(), dim=-1)  # (NATIVE, vocab)
+            losses.append(-logp[torch.arange(NATIVE - 1), tokens[0, 1:]].numpy())
+    return np.concatenate(losses)
+
+
+def test_max_short_cost_is_the_ratio_at_native_and_refuses_when_no_candidate_can_pass(workspace, tmp_path):
+    result = run_search(**options(workspace, tmp_path / "run", heldout_documents=0, candidates=2, max_short_cost=10))
+    plain = native_losses(workspace, result.settings["heldin"], None)
+    other_long = dict(result.spec, long_factor=[1.0] * len(result.spec["long_factor"]))  # long factors unused ≤ L
+    ratios = [float(np.exp(native_losses(workspace, result.settings["heldin"], spec).mean() - plain.mean()))
+              for spec in (result.spec, other_long)]
+    assert ratios[0] == pytest.approx(ratios[1], rel=1e-12)  # every candidate shares the cost at native
+    cost = result.settings["short_cost"]
+    assert cost["ratio_to_none"] == pytest.approx(ratios[0], rel=1e-5)
+    assert cost["ratio_low"] <= cost["ratio_to_none"] <= cost["ratio_high"] and cost["rejected"] == 0
+    assert "no candidate rejected" in str(result)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["settings"]["short_cost"]["bound"] == 10
+    assert ratios[0] > 1  # this model pays for longrope's attention factor, so a bound under it refuses every candidate
+    with pytest.raises(ConfigError, match="every candidate costs .* over"):
+        run_search(**options(workspace, None, heldout_documents=0, candidates=2,
+                             max_short_cost=(ratios[0] - 1) / 2))

@@ -410,8 +410,14 @@ def test_an_attention_method_needs_a_window_and_inspect_reads_any_registered_one
     def halved(window):  # relative position d/2 beyond W... continued from W: W + (d − W)/2
         return (lambda i: i / 2 + window / 2, lambda j: j / 2)
 
-    with pytest.raises(InvalidParameterError, match="needs a 'window' parameter"):
-        register_method(Method("test_no_window", lambda: None, "test", "-", {}, kind="attention"))
+    register_method(Method("test_no_window", lambda: (lambda i: i, lambda j: j), "test", "-", {}, kind="attention"))
+    model = build_model(tiny_llama_config())
+    try:  # a pair of position maps with no window to separate them: refused before the model changes
+        with pytest.raises(InvalidParameterError, match="needs a 'window' parameter"):
+            rope_patch.patch(model, "test_no_window")
+        assert rope_patch.current_patch(model) is None and model.config._attn_implementation == "eager"
+    finally:
+        METHODS.pop("test_no_window")
     register_method(Method("test_halved", halved, "test", "W + (d − W)/2", {"window": Param("int", "W", default=8)},
                            kind="attention"))
     try:

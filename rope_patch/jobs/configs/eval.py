@@ -45,6 +45,8 @@ class EvalConfig(SweepConfig):
     tp_plan: str | None = option(None, "transformers' tensor parallelism: auto splits each layer's weights over the "
                                        "processes of torchrun or accelerate launch, which score each window together",
                                  choices=("auto",))
+    short_cost: bool = option(True, "score the unpatched model (none) at the lengths up to native when it is not a "
+                                     "--method, for the short-context cost: each method's perplexity ratio to none")
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots, "
                                              "relative to the current folder (none from Python with output=None)",

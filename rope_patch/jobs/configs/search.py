@@ -48,6 +48,9 @@ class SearchConfig(SweepConfig):
     seed: int = option(0, "seed of the search and of the document sample")
     bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer",
                       choices=tuple(BOS_CHOICES))
+    max_short_cost: float | None = option(None, "reject candidates whose perplexity at the native length, on the "
+                                                "held-in documents, exceeds the unpatched model's by more than this "
+                                                "share (0.01: at most +1 %, as LongRoPE2 keeps the short window)")
     loss_chunk: int = option(1024, "tokens per slice through the output head")
     output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
                                                "transformers_config.json, the table and plots, relative to the current folder (none "
@@ -61,6 +64,9 @@ class SearchConfig(SweepConfig):
         if self.factor is not None and self.factor <= 1:
             raise ConfigError(f"--factor {self.factor}: give a scale factor above 1, or leave it out for "
                               "target / native")
+        if self.max_short_cost is not None and not self.max_short_cost >= 0:
+            raise ConfigError(f"--max-short-cost {self.max_short_cost}: give a share of at least 0, e.g. 0.01 for "
+                              "at most +1 % perplexity at the native length")
         if self.candidates is not None and self.candidates < 1:
             raise ConfigError(f"--candidates {self.candidates}: give a positive budget")
         for name in ("iterations", "population", "parents", "mutations", "crossovers"):
