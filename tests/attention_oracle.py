@@ -108,7 +108,7 @@ class Oracle:
         if sinks is not None:
             raise NotImplementedError("attention sinks")
         value = value.repeat_interleave(groups, 1)
-        return (torch.softmax(scores, -1) @ value).transpose(1, 2), None
+        return (torch.softmax(scores, -1) @ value).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ORACLE, Oracle.attention)
