@@ -124,7 +124,8 @@ def oracle_logits(model, ids: torch.Tensor, name: str, params: dict) -> torch.Te
     modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("Attention")}
     wrapped = [(module, fn, getattr(module, fn)) for module in modules for fn in ROTATION_FUNCTIONS
                if hasattr(module, fn)]
-    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    Oracle.captured = None
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     hooks = [m.register_forward_pre_hook(lambda *_: setattr(Oracle, "captured", None)) for m in layers]
     try:  # each attention layer starts with nothing captured: one that never rotates (NoPE) attends without positions
         for config in configs.values():
