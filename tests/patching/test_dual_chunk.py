@@ -138,3 +138,11 @@ def test_the_relative_positions_inspect_reports():
     # s = 14: d = 14..20 is in the next chunk with i mod s = 0..6 ≤ W: exact; 21 → 14 + 7 capped at 20; 28 and 100
     # are two or more chunks on: the query at C = 20, the key at 0
     assert seen == [0.0, 5.0, 14.0, 20.0, 20.0, 20.0, 20.0, 20.0]
+
+
+def test_inspect_prints_the_positions_dca_gives(tiny_folder):
+    from rope_patch.jobs.inspect import run_inspect
+
+    result = run_inspect(model=str(tiny_folder[0]), method=f"dca:chunk={CHUNK},local={LOCAL}")
+    seen = {row["distance"]: row["relative_position"] for row in result.positions}
+    assert seen[10] == 10 and seen[20] == 20 and seen[40] == 20  # distances around C: exact up to C, then C
