@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from all_models import UNBUILDABLE, assert_same, fingerprint, rotary_model_types, tiny_model, token_ids
+from all_models import (
+    UNBUILDABLE,
+    assert_same,
+    fingerprint,
+    rotary_model_types,
+    tiny_model,
+    token_ids,
+)
 from attention_oracle import oracle_logits
 
 import rope_patch
