@@ -81,7 +81,8 @@ DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "ori
                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 NEW_FAMILY_EXTRAS = {
     # proportional RoPE on the global layers, a smaller global head (Gemma 4's default is 512)
-    "gemma4_text": {"global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
+    "gemma4_text": {"global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"],
+                    "sliding_window": 32},
     "gemma4_unified_text": {"global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"],
                             "sliding_window": 32},
     "lfm3": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "sliding_attention"],
@@ -96,8 +97,8 @@ NEW_FAMILY_EXTRAS = {
     "deepseek_v3": {**MLA, "rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 4 * NATIVE},
     "deepseek_v2": {**MLA, "rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 4 * NATIVE},
     "deepseek_v3_unscaled": {**MLA},
-    "glm4_moe_lite": {**{k: v for k, v in MLA.items() if k != "first_k_dense_replace"}, "rope_parameters": DEEPSEEK_YARN,
-                      "max_position_embeddings": 4 * NATIVE},
+    "glm4_moe_lite": {**{k: v for k, v in MLA.items() if k != "first_k_dense_replace"},
+                      "rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 4 * NATIVE},
     # hybrids: only the attention layers carry RoPE
     "bamba": {"attn_layer_indices": [1]},
     "falcon_h1": {},

@@ -95,7 +95,7 @@ def rope_ntk_by_parts(
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's temperature for a factor s: 0.1·m·ln s + 1 (1 for s ≤ 1); m = 1 in the paper, DeepSeek's configs set it."""
+    """YaRN's temperature for a factor s: 0.1·m·ln s + 1 (1 for s ≤ 1); m = 1 in the paper, DeepSeek sets it."""
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 

@@ -61,6 +61,7 @@ from .transaction import Steps, transaction
 
 STATE_ATTR = "_rope_patch_state"
 NATIVE_ATTR = "_rope_patch_native_length"  # a native length declared with set_native_length
+LAYER_TYPES_ATTR = "_rope_patch_layer_types"  # the layer types declared with set_layer_types
 
 
 @dataclass
@@ -172,6 +173,30 @@ def _checked_native_length(length: Any) -> int:
     return length
 
 
+def declared_layer_types(model: nn.Module) -> str | list[str] | None:
+    return getattr(model, LAYER_TYPES_ATTR, None)
+
+
+def set_layer_types(model: nn.Module, layer_types: str | list[str] | None) -> None:
+    """Declare the layer types every later patch targets where it is not told, for per-layer-type RoPE (Gemma 3/4's
+    ``full_attention`` or ``sliding_attention`` layers, DeepSeek V4's ``main`` or ``compress`` RoPE): a list,
+    ``"all"`` or ``"global"`` (the default: the layers that see the whole context); None removes the declaration.
+    Checked now: a type the model lacks, or any choice on a model with one RoPE for every layer, is refused."""
+    if layer_types is None:
+        model.__dict__.pop(LAYER_TYPES_ATTR, None)
+        return
+    chosen = [layer_types] if isinstance(layer_types, str) else list(layer_types)
+    chosen = chosen[0] if chosen in (["all"], ["global"]) else chosen
+    modules = find_rotary_modules(model)
+    if all("inv_freq" in module._buffers for _, module in modules):
+        raise InvalidParameterError(f"layer types {layer_types!r}: {type(model).__name__} has one RoPE for every "
+                                    "layer; leave the layer types out")
+    for _, module in modules:
+        if "inv_freq" not in module._buffers:
+            select_layer_types(module, chosen)  # refuses a type the model lacks, naming those it has
+    setattr(model, LAYER_TYPES_ATTR, chosen)
+
+
 def native_length_source(model: nn.Module) -> NativeLength:
     """``(native length, where it was read)``: the one the patch applied now was built around, else a declared one,
     else the config's (refused with NativeLengthError where the config does not state it)."""
@@ -210,7 +235,8 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
 
     ``params`` use transformers' ``rope_parameters`` names (``factor``, ``original_max_position_embeddings``, ...);
     the model's own values are the defaults. ``layer_types`` matters for models with per-layer-type RoPE (Gemma 3):
-    the global (``full_attention``) layers by default, ``"all"``, or a list. An attention method
+    the global (``full_attention``) layers by default (or those declared with :func:`set_layer_types`), ``"all"``,
+    or a list. An attention method
     (``patch(model, "self_extend", group=4, window=1024)``) keeps the model's frequencies, whatever they are; a spec
     combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``. ``native_length``: the
     pretraining context length, for checkpoints whose config does not state it (see :func:`set_native_length`).
@@ -220,6 +246,7 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     RopePatchError line.
     """
     modules = find_rotary_modules(model)
+    layer_types = declared_layer_types(model) if layer_types is None else layer_types
     with transaction(model, f"patch({method!r})", [m for _, m in modules]) as step:
         return _patch(model, method, layer_types, native_length, params, modules, step)
 

@@ -10,15 +10,15 @@ Each rule below makes the patched model equal to the one transformers builds fro
   base its proportional with another ``rope_theta``; transformers has no other method for these layers (its yarn,
   llama3, dynamic build frequencies of the wrong shape there), so those are recorded for rope_patch.from_pretrained.
 - **Attention temperature** (Ministral 3: ``llama_4_scaling_beta``): the attention multiplies queries by
-  1 + β·ln(1 + ⌊m / L⌋) with L = ``rope_parameters.original_max_position_embeddings``, read on every forward. Every
+  1 + β·ln(1 + ⌊m / L⌋), L = ``rope_parameters.original_max_position_embeddings``, read on every forward. Every
   method keeps it: β carries over and L stays the native length (the method's own L for those that have one), as
   transformers does when given the method with the model's β. Llama 4's NoPE-layer temperature
   (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``) is top-level config a patch never touches: kept.
 - **MLA softmax scale** (DeepSeek V2/V3/V3.2, Kimi K2, GLM-4 MoE Lite): these attentions multiply their softmax
   scale by mscale(s, ``mscale_all_dim``)² when built, from the config's ``rope_parameters``
   (``yarn_apply_mscale`` of their modeling file). A patch recomputes it with the family's own function for the
-  patched ``rope_parameters`` and puts the built value back on unpatch; YaRN's ``mscale``/``mscale_all_dim`` default
-  to the model's own.
+  patched ``rope_parameters`` and unpatch puts back the unpatched value (a rope_patch checkpoint's recorded original);
+  YaRN's ``mscale``/``mscale_all_dim`` default to the model's own.
 """
 
 from __future__ import annotations

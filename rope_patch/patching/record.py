@@ -107,7 +107,7 @@ def config_scaling_label(config, layer_type: str | None) -> str:
     longrope's factors left out). What "as-loaded" is labelled with when no rope_patch patch is applied."""
     params = _layer({"rope_parameters": config.rope_parameters}, layer_type)
     rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
+    if is_unscaled(params):  # plain RoPE, or a family's own unscaled kind (Gemma 4's proportional)
         return "none"
     shown = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(params.items())
              if k not in ("rope_type", "rope_theta", "partial_rotary_factor") and isinstance(v, (int, float, str))]

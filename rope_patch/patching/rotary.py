@@ -54,7 +54,8 @@ class RotaryTarget:
                 self._cache.clear()
             inv_freq, scaling = compute_frequencies(method, self.base, self.params, seq_len)
             if self.rotating_pairs is not None:
-                inv_freq = torch.cat([inv_freq[: self.rotating_pairs], inv_freq.new_zeros(inv_freq.numel() - self.rotating_pairs)])
+                inv_freq = inv_freq.clone()  # [dim/2]
+                inv_freq[self.rotating_pairs:] = 0.0
             self._cache[key] = (inv_freq.to(device=device, dtype=torch.float32), float(scaling))
         return self._cache[key]
 

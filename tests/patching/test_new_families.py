@@ -56,6 +56,7 @@ PROPORTIONAL = ["gemma4_text", "gemma4_unified_text", "lfm3"]
 def test_proportional_rope_is_the_familys_unscaled_rope(family):
     model = build_model(new_family_config(family))
     assert rope_patch.native_length_source(model) == (NATIVE, "max_position_embeddings (unscaled RoPE)")
+    assert rope_patch.patching.config_scaling_label(model.config, "full_attention") == "none"  # eval's as-loaded
     report = rope_patch.patch(model, "linear", factor=2)
     assert report.layer_types == ["full_attention"] and report.native_length == NATIVE
 
@@ -77,7 +78,8 @@ def test_proportional_layers_equal_transformers_proportional_rope(family, method
     assert_same_logits(model, reference)
 
 
-def yarn_reference(theta: float, head_dim: int, rotating: int, factor: float, native: int) -> tuple[torch.Tensor, float]:
+def yarn_reference(theta: float, head_dim: int, rotating: int, factor: float,
+                   native: int) -> tuple[torch.Tensor, float]:
     """YaRN (arXiv:2309.00071) on the whole head's ladder θ_i = b^(−2i/head_dim), pairs from ``rotating`` on at 0."""
     pairs = torch.arange(head_dim // 2, dtype=torch.float64)
     inv_freq = theta ** (-2 * pairs / head_dim)
@@ -193,8 +195,9 @@ def test_llama4_nope_layer_temperature_is_kept(method, params, spelling):
 @pytest.mark.parametrize("method, params, spelling", [
     ("yarn", {"factor": 2}, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": NATIVE,
                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
-    ("yarn", {"factor": 8, "mscale": 0.5}, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": NATIVE,
-                                           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.5, "mscale_all_dim": 1.0}),
+    ("yarn", {"factor": 8, "mscale": 0.5}, {"rope_type": "yarn", "factor": 8.0,
+                                           "original_max_position_embeddings": NATIVE, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "mscale": 0.5, "mscale_all_dim": 1.0}),
     ("linear", {"factor": 2}, {"rope_type": "linear", "factor": 2.0}),
     ("none", {}, {"rope_type": "default"}),
 ])
@@ -303,3 +306,49 @@ def test_a_hybrid_without_rope_is_refused_by_name():
                          expert_layer_period=2, expert_layer_offset=1, num_experts=2, use_mamba_kernels=False)
     with pytest.raises(errors.UnsupportedModelError, match="JambaForCausalLM has no rotary embedding"):
         rope_patch.patch(build_model(config), "yarn", factor=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --layer-types: the layer types every patch of a job targets (set_layer_types), checked before any work.
+
+
+def test_declared_layer_types_are_what_every_later_patch_targets():
+    model = build_model(new_family_config("gemma4_text"))
+    rope_patch.set_layer_types(model, ["sliding_attention"])
+    rope_patch.patch(model, "linear", factor=2)
+    sliding = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    assert_same_logits(model, oracle("gemma4_text", model, sliding, "sliding_attention"))
+    rope_patch.set_layer_types(model, None)
+    assert rope_patch.patch(model, "linear", factor=2).layer_types == ["full_attention"]
+
+
+@pytest.mark.parametrize("family, layer_types, words", [
+    ("gemma4_text", ["nope_layers"], "not in this model"),
+    ("bamba", ["full_attention"], "one RoPE for every layer"),
+])
+def test_layer_types_a_model_lacks_are_refused_before_any_patch(family, layer_types, words):
+    model = build_model(new_family_config(family))
+    with pytest.raises(errors.InvalidParameterError, match=words):
+        rope_patch.set_layer_types(model, layer_types)
+    assert rope_patch.current_patch(model) is None
+
+
+def test_eval_layer_types_score_transformers_own_model(tmp_path):
+    """``rope-patch eval --layer-types sliding_attention`` scores what transformers' Gemma 4 with linear ×2 on its
+    sliding layers scores as loaded."""
+    from tiny_models import make_char_tokenizer, write_training_workspace
+
+    write_training_workspace(tmp_path)
+    model = build_model(new_family_config("gemma4_text"))
+    sliding = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    for name, saved in (("plain", model), ("own", oracle("gemma4_text", model, sliding, "sliding_attention"))):
+        saved.save_pretrained(tmp_path / name)
+        make_char_tokenizer().save_pretrained(tmp_path / name)
+    common = dict(dataset=str(tmp_path / "corpus"), dtype="fp32", lengths=[2 * NATIVE], output=None, progress=False,
+                  attn_implementation="eager")
+    patched = rope_patch.run_eval(model=str(tmp_path / "plain"), method=["linear:factor=2"],
+                                  layer_types=["sliding_attention"], **common)
+    own = rope_patch.run_eval(model=str(tmp_path / "own"), method=["as-loaded"], **common)
+    default = rope_patch.run_eval(model=str(tmp_path / "plain"), method=["linear:factor=2"], **common)
+    assert patched.rows[0]["perplexity"] == pytest.approx(own.rows[0]["perplexity"], rel=1e-5)
+    assert patched.rows[0]["perplexity"] != pytest.approx(default.rows[0]["perplexity"], rel=1e-5)
