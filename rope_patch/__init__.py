@@ -53,6 +53,7 @@ from .patching import (
     native_length_source,
     patch,
     patched,
+    set_layer_types,
     set_native_length,
     unpatch,
 )
@@ -67,5 +68,5 @@ __all__ = [
     "evaluate_passkey", "finetune", "fixed_length", "from_pretrained", "load_default_model", "load_model",
     "method_label", "native_length", "native_length_source", "parse_method_spec", "patch", "patched",
     "register_method", "run_demo", "run_eval", "run_export", "run_inspect", "run_lm_eval", "run_passkey",
-    "run_search", "SearchConfig", "set_native_length", "unpatch",
+    "run_search", "SearchConfig", "set_layer_types", "set_native_length", "unpatch",
 ]

@@ -21,6 +21,7 @@ from .methods import RopeBase, compute_frequencies, frequency_and_attention, get
 from .methods.attention import far_relative_position
 from .patching import (current_patch, measure_layouts, native_length_source, primary_rotary, rotary_setup,
                        saved_patch)
+from .patching.families import rotating_pairs
 
 
 @dataclass
@@ -35,6 +36,7 @@ class RotaryInfo:
     scaling: str
     layer_type: str | None
     native_source: str = ""  # where the native length was read (a config key, a rope_patch record, given)
+    rotating_pairs: int | None = None  # proportional RoPE (Gemma 4): only the first pairs rotate, the rest have θ = 0
 
 
 PAIRINGS = {"half": "half-split (j with j + d/2, rotate_half)", "interleaved": "interleaved (2j with 2j+1)"}
@@ -60,12 +62,21 @@ def pairing_convention(model: nn.Module) -> str:
     return text + (f"; layers {unrotated} without RoPE (NoPE)" if unrotated else "")
 
 
+def _head_dim(config, layer_type: str | None) -> int:
+    """The head dim of the layers ``layer_type`` serves; Gemma 4 sets it per layer (its global layers' is larger),
+    and its config refuses a global read (a RuntimeError)."""
+    try:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except RuntimeError:
+        return config.per_layer_config[layer_type].head_dim
+
+
 def describe_rotary(model: nn.Module) -> RotaryInfo:
     """The model's rotary set-up as it is now (for Gemma 3: its global layers)."""
     name, module, layer_type = primary_rotary(model)
     config = module.config
     base = rotary_setup(model, module, layer_type)  # the unscaled RoPE, whatever is applied
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config, layer_type)
     params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
     applied = current_patch(model)
     saved = saved_patch(config)
@@ -87,6 +98,7 @@ def describe_rotary(model: nn.Module) -> RotaryInfo:
         scaling=scaling,
         layer_type=layer_type,
         native_source=native_length_source(model)[1],
+        rotating_pairs=rotating_pairs(params, base.dim // 2),
     )
 
 
@@ -103,7 +115,7 @@ def frequency_table(
         name, given = frequency or ("none", {})
         after, attention_factor = compute_frequencies(name, base, resolve_params(name, base, given), seq_len=None)
     rows = []
-    for i, theta in enumerate(before.tolist()):
+    for i, theta in enumerate(before.tolist()[: info.rotating_pairs]):  # proportional RoPE: the zero pairs left out
         row = {"pair": i, "wavelength": 2 * math.pi / theta, "turns": info.native_length * theta / (2 * math.pi)}
         if after is not None:
             new = after[i].item()
@@ -142,7 +154,9 @@ def format_report(info: RotaryInfo, rows: list[dict], method: str | None = None,
     lines = [
         f"model          {info.model_type}",
         f"rotary module  {info.rotary_class}" + (f" (layer type {info.layer_type})" if info.layer_type else ""),
-        f"head dim       {info.head_dim}   rotary dims {info.rotary_dim} ({info.rotary_dim // 2} pairs)",
+        f"head dim       {info.head_dim}   rotary dims {info.rotary_dim} ({info.rotary_dim // 2} pairs"
+        + (f"; the first {info.rotating_pairs} rotate, the others have frequency 0: proportional RoPE)"
+           if info.rotating_pairs is not None else ")"),
         f"pairing        {info.pairing}",
         f"base theta     {info.rope_theta:g}",
         f"native length  {info.native_length}" + (f"  ({info.native_source})" if info.native_source else ""),

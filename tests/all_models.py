@@ -11,6 +11,7 @@ Used by tests/patching/test_every_model.py (frequency methods) and by the attent
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -40,6 +41,8 @@ UNBUILDABLE: dict[str, str] = {
     "gemma3n": "per-layer intermediate sizes and KV-sharing layer sets tied to 35 layers; its text model is gemma3n_text",
     "gemma3n_text": "KV-sharing layer sets tied to its full layer count: transformers refuses them on fewer layers",
     "gemma4": "its per_layer_config names layers 5 to 29 of the full model; the text model is swept as gemma4_text",
+    "gemma4_unified": "its per_layer_config names layers 5 to 29 of the full model; the text model is swept as "
+                      "gemma4_unified_text",
     "longcat_flash": _GENERIC_FAILS.format("MLA split sizes that do not add up on a 16-dim head"),
     "qwen4_exp": _GENERIC_FAILS.format("its sparse indexer's budget is None by default"),
     "qwen4_exp_text": _GENERIC_FAILS.format("its sparse indexer's budget is None by default"),
@@ -49,6 +52,10 @@ UNBUILDABLE: dict[str, str] = {
 OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": {"attn_layer_indices": [1]},  # no attention layer by default
     "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
+    "deepseek_v4": {"head_dim": 128},
+    "gemma4_text": {"global_head_dim": 32},
+    "mimo_v2_flash": {"head_dim": 48},  # its partial rotary factor 1/3 leaves 16 rotary dims  # 512 by default (a keyword only, so not shrunk with the fields)
+    "gemma4_unified_text": {"global_head_dim": 32},  # its partial rotary factor 1/8 leaves 16 rotary dims
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"],  # all Mamba, no RoPE by default
                          "position_embedding_type": "rope"},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # None by default
@@ -214,20 +221,30 @@ def _tiny_rope(rope: dict) -> dict:
     return rope
 
 
-def tiny_config(model_type: str, **overrides):
-    """A tiny config of ``model_type``: ``LAYERS`` layers (more where its layer kinds need more), head dim 16,
-    native length 64, fp32 eager attention; ``overrides`` last (e.g. ``rope_parameters`` for an oracle)."""
+@functools.cache
+def _base_kwargs(model_type: str) -> tuple[type, dict[str, Any]]:
+    """The config class of ``model_type`` and the arguments of its tiny config (worked out once per type)."""
     from transformers import AutoConfig
 
-    if model_type in UNBUILDABLE:
-        raise RuntimeError(f"{model_type}: {UNBUILDABLE[model_type]}")
     config_class = type(AutoConfig.for_model(model_type))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kwargs = _tiny_kwargs(config_class, config_class())
-        kwargs.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        kwargs.update(OVERRIDES.get(model_type, {}))
-        kwargs.update(overrides)
+    kwargs.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kwargs.update(OVERRIDES.get(model_type, {}))
+    return config_class, kwargs
+
+
+def tiny_config(model_type: str, **overrides):
+    """A tiny config of ``model_type``: ``LAYERS`` layers (more where its layer kinds need more), head dim 16,
+    native length 64, fp32 eager attention; ``overrides`` last (e.g. ``rope_parameters`` for an oracle)."""
+    if model_type in UNBUILDABLE:
+        raise RuntimeError(f"{model_type}: {UNBUILDABLE[model_type]}")
+    config_class, kwargs = _base_kwargs(model_type)
+    kwargs = copy.deepcopy(kwargs)
+    kwargs.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         config = config_class(**kwargs)
     config._attn_implementation = "eager"
     return config
@@ -265,6 +282,8 @@ def _plain(value: Any) -> Any:
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(repr(v) for v in value)
     if isinstance(value, (int, float, str, bool, type(None))):
         return value
     return ("object", id(value))
@@ -325,7 +344,7 @@ def rope_config(config):
 
 def with_rope(model_type: str, rope_parameters: dict, max_position_embeddings: int) -> dict[str, Any]:
     """The ``tiny_config`` overrides that give ``model_type`` this RoPE and length, where its config holds them."""
-    config = cached_model(model_type).config
+    config = tiny_config(model_type)  # the config the type is built from (Mllama's holds a text config)
     holder = rope_config(config)
     values = {"rope_parameters": rope_parameters, "max_position_embeddings": max_position_embeddings}
     if holder is config:
@@ -344,4 +363,7 @@ def oracle(model_type: str, rope_parameters: dict, max_position_embeddings: int)
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.load_state_dict(cached_model(model_type).state_dict())
+    built = rope_config(model.config).rope_parameters
+    if any(built.get(k) != v for k, v in rope_parameters.items()):
+        raise RuntimeError(f"{model_type}: the oracle was built with rope_parameters {built}, not {rope_parameters}")
     return model

@@ -70,6 +70,59 @@ def family_config(family: str, **overrides):
     return AutoConfig.for_model(family, **kwargs)
 
 
+# The newest families' RoPE semantics (tests/patching/test_new_families.py): tiny configs kept apart from
+# FAMILY_EXTRAS because transformers cannot express every method on them (proportional layers take only linear and
+# base changes), so the family-parametrised tests of every method do not apply as they stand.
+MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+           num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           first_k_dense_replace=1, n_group=1, topk_group=1)
+# DeepSeek V3 / Kimi K2 ship YaRN with mscale = mscale_all_dim = 1 (the temperature in the softmax scale)
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": NATIVE,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+NEW_FAMILY_EXTRAS = {
+    # proportional RoPE on the global layers, a smaller global head (Gemma 4's default is 512)
+    "gemma4_text": {"global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"],
+                    "sliding_window": 32},
+    "gemma4_unified_text": {"global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"],
+                            "sliding_window": 32},
+    "lfm3": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "sliding_attention"],
+             "sliding_window": 32},
+    # Mistral's attention temperature; Ministral 3's own config is YaRN-scaled as here
+    "ministral3": {"rope_parameters": {**DEEPSEEK_YARN, "llama_4_scaling_beta": 0.1},
+                   "max_position_embeddings": 4 * NATIVE},
+    # Llama 4's NoPE-layer temperature, at a floor scale the tiny model reaches
+    "llama4_text": {"no_rope_layers": [1, 0], "intermediate_size_mlp": 128, "num_local_experts": 2,
+                    "attn_temperature_tuning": True, "floor_scale": 16, "attn_scale": 0.1},
+    # MLA with YaRN's mscale in the softmax scale
+    "deepseek_v3": {**MLA, "rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 4 * NATIVE},
+    "deepseek_v2": {**MLA, "rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 4 * NATIVE},
+    "deepseek_v3_unscaled": {**MLA},
+    "glm4_moe_lite": {**{k: v for k, v in MLA.items() if k != "first_k_dense_replace"},
+                      "rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 4 * NATIVE},
+    # hybrids: only the attention layers carry RoPE
+    "bamba": {"attn_layer_indices": [1]},
+    "falcon_h1": {},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "position_embedding_type": "rope"},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
+}
+
+
+def new_family_config(family: str, **overrides):
+    """A tiny config of one of NEW_FAMILY_EXTRAS (``deepseek_v3_unscaled``: DeepSeek V3 with plain RoPE)."""
+    from transformers import AutoConfig
+
+    kwargs = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=NATIVE, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(NEW_FAMILY_EXTRAS[family])
+    kwargs.update(overrides)
+    return AutoConfig.for_model(family.removesuffix("_unscaled"), **kwargs)
+
+
 def make_char_tokenizer(add_bos: bool = False):
     """A fast tokenizer with one token per character (printable ASCII, newline, tab: ids 4..100 fit vocab 128),
     <pad> 0, <s> 1, </s> 2, <unk> 3; ``add_bos`` makes it prepend <s> as Llama's tokenizer does. No download."""

@@ -139,6 +139,8 @@ def _yarn_defaults(rope: ServedRope, short_equals_long: bool) -> str | None:
     p = rope.params
     if p.get("truncate") is False:
         return "truncate=false (its YaRN rounds the ramp to whole pairs)"
+    if p.get("mscale") is not None or p.get("mscale_all_dim") is not None:
+        return "DeepSeek's mscale/mscale_all_dim (rope_patch has not checked this engine's YaRN temperature with them)"
     given, default = p.get("attention_factor"), yarn_attention_factor(p["factor"])
     if given is not None and not math.isclose(given, default, rel_tol=0, abs_tol=1e-12):
         return f"attention_factor={given:g} (it applies 0.1·ln s + 1 = {default:g})"

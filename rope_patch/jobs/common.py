@@ -16,7 +16,7 @@ from ..eval.sweep import AS_LOADED, method_entries
 from ..kernels import (KERNELS, KERNELS_HELP, check_kernels_available, kernel_choice, kernels_applied,
                        preferred_attention)
 from ..loading import check_offload, default_attention, load_model, model_label, parse_device_map
-from ..patching import native_length, set_native_length
+from ..patching import native_length, set_layer_types, set_native_length
 from .options import JobConfig, option
 
 MODEL_HELP = "hub id or local folder (default: the embedded SmolLM2-135M-Instruct)"
@@ -26,6 +26,9 @@ DEVICE_MAP_HELP = ("place a model larger than one device with accelerate's big-m
 OFFLOAD_HELP = "folder for the weights of the layers --device-map sends to disk (loaded back layer by layer)"
 NATIVE_LENGTH_HELP = ("the model's native (pretraining) context length, for a checkpoint whose config does not state "
                       "it (a scaled RoPE without original_max_position_embeddings), e.g. 8k")
+LAYER_TYPES_HELP = ("for per-layer-type RoPE, the layer types the methods change: global (default: the layers that see "
+                    "the whole context, Gemma's full_attention, DeepSeek V4's compress), all, or a list, e.g. "
+                    "sliding_attention,full_attention")
 
 
 @dataclass
@@ -45,6 +48,7 @@ class SweepConfig(JobConfig):
                                                    "flash_attention_2 on a GPU where installed)")
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
+    layer_types: list[str] | None = option(None, LAYER_TYPES_HELP, metavar="TYPES")
     device_map: str | None = option(None, DEVICE_MAP_HELP, metavar="MAP")
     offload_folder: str | None = option(None, OFFLOAD_HELP, metavar="DIR")
     sequence_parallel: int = option(1, "split each window over N processes (DeepSpeed Ulysses, eval only; N divides "
@@ -81,8 +85,10 @@ class SweepConfig(JobConfig):
         """The settings that key this job's finished rows, beside what the sweep reads from the model itself (its
         fingerprint, dtype and attention implementation, :func:`~rope_patch.eval.sweep.model_setup`): the model's
         name, its tokenizer, the kernels, the native length, and the job's own ``settings`` that change numbers."""
+        chosen = {"layer_types": self.layer_types} if self.layer_types else {}  # older runs' keys stay as they were
         return {"model": loaded.label, "tokenizer": tokenizer_fingerprint(loaded.tokenizer),
-                "kernels": kernel_choice(self.kernels), "native_length": native_length(loaded.model), **settings}
+                "kernels": kernel_choice(self.kernels), "native_length": native_length(loaded.model), **chosen,
+                **settings}
 
 
 @dataclass
@@ -113,9 +119,12 @@ def split_loaded(options: dict[str, Any]) -> tuple[dict[str, Any], LoadedModel |
     return {**options, "model": label}, LoadedModel(model, tokenizer, label)
 
 
-def settle_native_length(model: nn.Module, given: int | None) -> int:
-    """Declare ``--native-length`` on the model (every method of the job builds around it), or check now that the
-    config states the native length: a checkpoint that does not is refused before any work, not after it."""
+def settle_native_length(model: nn.Module, given: int | None, layer_types: list[str] | None = None) -> int:
+    """Declare ``--native-length`` and ``--layer-types`` on the model (every method of the job builds around them,
+    checked now), or check now that the config states the native length: a checkpoint that does not is refused
+    before any work, not after it."""
+    if layer_types is not None:
+        set_layer_types(model, layer_types)
     if given is not None:
         set_native_length(model, given)
     return native_length(model)

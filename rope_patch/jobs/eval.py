@@ -139,7 +139,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     model = loaded.model
     check_eval_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, lengths=config.lengths,
                                  batch_size=config.batch_size, methods=config.method, model=model)
-    settle_native_length(model, config.native_length)
+    settle_native_length(model, config.native_length, config.layer_types)
     with accelerator.main_process_first():
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
     protocol = config.protocol_with(config.window_prefix(loaded.tokenizer))

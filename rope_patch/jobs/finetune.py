@@ -33,7 +33,7 @@ from ..kernels import (
 )
 from ..loading import load_model
 from ..methods import frequency_and_attention, method_label, parse_method_spec
-from ..patching import patch
+from ..patching import patch, set_layer_types
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
@@ -44,7 +44,7 @@ from ..train.lora import add_lora, save_only_trainable_weights
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
 from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
-from .common import NATIVE_LENGTH_HELP
+from .common import LAYER_TYPES_HELP, NATIVE_LENGTH_HELP
 from .options import JobConfig, option
 
 # Settings that change the trained weights, besides the model's and the training tokens' fingerprints, the global
@@ -74,6 +74,7 @@ class FinetuneConfig(JobConfig):
                                          tokens=True)
     pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
+    layer_types: list[str] | None = option(None, LAYER_TYPES_HELP, metavar="TYPES")
     steps: int = option(200, "optimizer steps")
     lr: float = option(2e-5, "peak learning rate (PI paper: 2e-5 for 7B/13B)")
     batch_size: int = option(1, "sequences per process per micro-step")
@@ -192,6 +193,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                                   attn_implementation=config.attn_implementation, native_length=config.native_length)
     original_model = model_fingerprint(model)  # before the patch, which the method's key covers
     name, params = parse_method_spec(config.method)
+    if config.layer_types is not None:
+        set_layer_types(model, config.layer_types)  # checked before any work, kept by the saved patch's record
     report = patch(model, name, native_length=config.native_length, **params)
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
                             model=model, pose=config.pose_target_len is not None)
@@ -201,6 +204,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                                            num_documents=config.num_documents, exclude=config.exclude_documents,
                                            split=config.split, text_field=config.text_field, subset=config.subset)
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
+    key |= {"layer_types": config.layer_types} if config.layer_types else {}  # older runs' keys stay as they were
     key |= {"method": method_label(name, params),  # an @FILE spec by its content
             "model": original_model, "data": data.fingerprint(),
             "global_batch": config.batch_size * config.grad_accum * layout.replicas,

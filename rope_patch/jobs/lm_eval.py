@@ -135,7 +135,7 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     if config.engine == "vllm":
         require_vllm()  # one line before minutes of loading
     loaded = config.load(loaded)
-    settle_native_length(loaded.model, config.native_length)
+    settle_native_length(loaded.model, config.native_length, config.layer_types)
     window = config.max_length
     if window is None and not sweep_lengths(config.metadata or {}):  # one window for every method, or a refusal
         window = sweep_window(loaded.model, method_entries(loaded.model, config.method))

@@ -72,7 +72,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
     loaded = config.load(loaded)
-    settle_native_length(loaded.model, config.native_length)
+    settle_native_length(loaded.model, config.native_length, config.layer_types)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
     with open_store(results, KEY_FIELDS, job="rope-patch passkey") as store:  # held until the reports are written
         return _run(config, loaded, store)

@@ -183,7 +183,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
     loaded = config.load(loaded)
     model = loaded.model
-    native = settle_native_length(model, config.native_length)
+    native = settle_native_length(model, config.native_length, config.layer_types)
     if config.target_length <= native:
         raise ConfigError(f"--target-length {config.target_length:,} must exceed the native length {native:,}: "
                           "longrope's long factors apply only beyond it")

@@ -5,7 +5,7 @@ Pure maths: nothing here imports transformers or touches a model (that is :mod:`
 
 from . import frequency  # noqa: F401, I001  (registers the frequency methods first: they lead every listing)
 from . import attention  # noqa: F401, I001  (then the attention methods)
-from .frequency import default_inv_freq, ntk_theta, yarn_attention_factor
+from .frequency import default_inv_freq, ntk_theta, yarn_attention_factor, yarn_mscale
 from .registry import (
     METHODS,
     Frequencies,
@@ -23,5 +23,5 @@ from .spec import frequency_and_attention, method_label, parse_method_spec
 __all__ = [
     "METHODS", "Frequencies", "Method", "Param", "RopeBase", "available_methods", "compute_frequencies",
     "default_inv_freq", "frequency_and_attention", "get_method", "method_label", "ntk_theta", "parse_method_spec", "register_method",
-    "resolve_params", "yarn_attention_factor",
+    "resolve_params", "yarn_attention_factor", "yarn_mscale",
 ]

@@ -94,9 +94,19 @@ def rope_ntk_by_parts(
     return interpolated * (1 - keep) + extrapolated * keep, 1.0
 
 
-def yarn_attention_factor(factor: float) -> float:
-    """YaRN's temperature: cos and sin × (0.1·ln s + 1), so attention logits scale by its square."""
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature for a factor s: 0.1·m·ln s + 1 (1 for s ≤ 1); m = 1 in the paper, DeepSeek sets it."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's cos/sin multiplier (attention logits scale by its square): 0.1·ln s + 1, or with DeepSeek's pair
+    (``mscale``, ``mscale_all_dim``, both set) mscale(s, m) / mscale(s, m_all). The MLA families put
+    mscale(s, m_all)² into the softmax scale instead, so with m = m_all the two together give the paper's temperature
+    once (transformers' ``_compute_yarn_parameters`` and DeepSeek's ``yarn_apply_mscale``)."""
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def rope_yarn(
@@ -109,13 +119,18 @@ def rope_yarn(
     beta_slow: float = 1.0,
     attention_factor: float | None = None,
     truncate: bool = True,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
 ) -> Frequencies:
-    """YaRN (Peng et al. 2023, arXiv:2309.00071): NTK-by-parts plus an attention temperature."""
+    """YaRN (Peng et al. 2023, arXiv:2309.00071): NTK-by-parts plus an attention temperature (see
+    :func:`yarn_attention_factor` for DeepSeek's ``mscale``/``mscale_all_dim``)."""
     inv_freq, _ = rope_ntk_by_parts(
         base, seq_len, factor=factor, original_max_position_embeddings=original_max_position_embeddings,
         beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate,
     )
-    return inv_freq, attention_factor if attention_factor is not None else yarn_attention_factor(factor)
+    if attention_factor is None:
+        attention_factor = yarn_attention_factor(factor, mscale, mscale_all_dim)
+    return inv_freq, attention_factor
 
 
 def rope_dynamic_yarn(
@@ -261,9 +276,13 @@ for _method in (
            "ntk_by_parts, then cos, sin × (0.1·ln s + 1)",
            {"factor": FACTOR, "original_max_position_embeddings": NATIVE, "beta_fast": BETA_FAST, "beta_slow": BETA_SLOW,
             "attention_factor": Param("float", "cos/sin multiplier (default 0.1·ln s + 1)", default=None, optional=True),
-            "truncate": TRUNCATE},
+            "truncate": TRUNCATE,
+            "mscale": Param("float", "DeepSeek's m: with mscale_all_dim, cos/sin × mscale(s, m) / mscale(s, m_all) "
+                            "(default: the model's own, if its config has one)", default=None, optional=True),
+            "mscale_all_dim": Param("float", "DeepSeek's m_all: MLA models scale the softmax by mscale(s, m_all)² "
+                                    "(default: the model's own, if its config has one)", default=None, optional=True)},
            rope_parameters=_native("yarn", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-                                   "attention_factor"),
+                                   "attention_factor", "mscale", "mscale_all_dim"),
            context_length=_scaled_length, check=_check_betas),
     Method("dynamic_yarn", rope_dynamic_yarn, "YaRN with s following the current length l",
            "yarn with s = max(1, l/L) on every forward",

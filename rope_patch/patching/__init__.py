@@ -18,6 +18,7 @@ from .core import (
     primary_rotary,
     restore_saved_patch,
     rotary_setup,
+    set_layer_types,
     set_native_length,
     unpatch,
 )
@@ -30,6 +31,6 @@ __all__ = [
     "CONFIG_KEY", "PatchReport", "config_scaling_label", "current_patch", "find_rotary_modules", "fixed_length",
     "forget_lengths_seen", "has_offloaded_weights", "input_device", "inv_freq_buffer", "measure_layouts",
     "named_weights", "native_length", "native_length_source", "patch", "patch_state", "patched", "primary_rotary",
-    "restore_saved_patch", "rotary_dim", "rotary_setup", "saved_patch", "set_native_length", "unpatch",
-    "weights_loaded",
+    "restore_saved_patch", "rotary_dim", "rotary_setup", "saved_patch", "set_layer_types", "set_native_length",
+    "unpatch", "weights_loaded",
 ]

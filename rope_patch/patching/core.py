@@ -22,12 +22,15 @@ from torch import nn
 from ..errors import InvalidParameterError, RopePatchError
 from ..methods import compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
 from .attention import AttentionSetup, install_attention, measure_layouts, remove_attention
+from .families import ScaleSnapshot, install_scales, model_defaults, planned_scales, restore_scales, rotating_pairs, \
+    softmax_scales
 from .generation import install_generate
 from .record import (
     ConfigSnapshot,
     NativeLength,
     carries_scaling,
     native_length_of,
+    original_rope_parameters,
     patch_record,
     reset_saved_patch,
     restore_config,
@@ -42,18 +45,23 @@ from .rotary import (
     ModuleSnapshot,
     RotaryTarget,
     check_base,
+    check_output_shapes,
     default_layer_types,
     find_rotary_modules,
+    inv_freq_buffer,
     install_frequencies,
     layer_rope_parameters,
+    output_shapes,
     restore_module,
     rotary_dim,
     select_layer_types,
     snapshot_module,
 )
+from .transaction import Steps, transaction
 
 STATE_ATTR = "_rope_patch_state"
 NATIVE_ATTR = "_rope_patch_native_length"  # a native length declared with set_native_length
+LAYER_TYPES_ATTR = "_rope_patch_layer_types"  # the layer types declared with set_layer_types
 
 
 @dataclass
@@ -74,6 +82,7 @@ class PatchState:
     context_length: int = 0  # the longest sequence the patch is meant for (generate's default cap)
     generating: bool = False  # inside the patched generate: dynamic methods must have a fixed length
     length_dependent: bool = False  # the frequencies follow the sequence length (dynamic methods, longrope)
+    softmax_scales: ScaleSnapshot | None = None  # MLA attentions' softmax scales as built (families.py)
 
 
 def patch_state(model: nn.Module) -> PatchState | None:
@@ -164,6 +173,30 @@ def _checked_native_length(length: Any) -> int:
     return length
 
 
+def declared_layer_types(model: nn.Module) -> str | list[str] | None:
+    return getattr(model, LAYER_TYPES_ATTR, None)
+
+
+def set_layer_types(model: nn.Module, layer_types: str | list[str] | None) -> None:
+    """Declare the layer types every later patch targets where it is not told, for per-layer-type RoPE (Gemma 3/4's
+    ``full_attention`` or ``sliding_attention`` layers, DeepSeek V4's ``main`` or ``compress`` RoPE): a list,
+    ``"all"`` or ``"global"`` (the default: the layers that see the whole context); None removes the declaration.
+    Checked now: a type the model lacks, or any choice on a model with one RoPE for every layer, is refused."""
+    if layer_types is None:
+        model.__dict__.pop(LAYER_TYPES_ATTR, None)
+        return
+    chosen = [layer_types] if isinstance(layer_types, str) else list(layer_types)
+    chosen = chosen[0] if chosen in (["all"], ["global"]) else chosen
+    modules = find_rotary_modules(model)
+    if all("inv_freq" in module._buffers for _, module in modules):
+        raise InvalidParameterError(f"layer types {layer_types!r}: {type(model).__name__} has one RoPE for every "
+                                    "layer; leave the layer types out")
+    for _, module in modules:
+        if "inv_freq" not in module._buffers:
+            select_layer_types(module, chosen)  # refuses a type the model lacks, naming those it has
+    setattr(model, LAYER_TYPES_ATTR, chosen)
+
+
 def native_length_source(model: nn.Module) -> NativeLength:
     """``(native length, where it was read)``: the one the patch applied now was built around, else a declared one,
     else the config's (refused with NativeLengthError where the config does not state it)."""
@@ -202,13 +235,26 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
 
     ``params`` use transformers' ``rope_parameters`` names (``factor``, ``original_max_position_embeddings``, ...);
     the model's own values are the defaults. ``layer_types`` matters for models with per-layer-type RoPE (Gemma 3):
-    the global (``full_attention``) layers by default, ``"all"``, or a list. An attention method
+    the global (``full_attention``) layers by default (or those declared with :func:`set_layer_types`), ``"all"``,
+    or a list. An attention method
     (``patch(model, "self_extend", group=4, window=1024)``) keeps the model's frequencies, whatever they are; a spec
     combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``. ``native_length``: the
     pretraining context length, for checkpoints whose config does not state it (see :func:`set_native_length`).
+
+    All or nothing (:func:`~.transaction.transaction`): any failure, a bad value or a config class of transformers
+    refusing the patched RoPE, leaves the model bit-for-bit as it was (an earlier patch included) and raises one
+    RopePatchError line.
     """
-    frequency, attention = frequency_and_attention(method, params)
     modules = find_rotary_modules(model)
+    layer_types = declared_layer_types(model) if layer_types is None else layer_types
+    with transaction(model, f"patch({method!r})", [m for _, m in modules]) as step:
+        return _patch(model, method, layer_types, native_length, params, modules, step)
+
+
+def _patch(model: nn.Module, method: str, layer_types, native_length: int | None, params: dict[str, Any],
+           modules: list[tuple[str, nn.Module]], step: Steps) -> PatchReport:
+    """The steps of :func:`patch`, inside its transaction: validate and compute first, then change the model."""
+    frequency, attention = frequency_and_attention(method, params)
     if native_length is not None:
         _checked_native_length(native_length)
     plan = []  # validate everything before changing anything: bad input leaves the model as it was
@@ -216,8 +262,13 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
         for name, module in modules:
             for layer_type in select_layer_types(module, layer_types):
                 base = rotary_setup(model, module, layer_type, native_length)
-                check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type))
-                plan.append(RotaryTarget(name, module, layer_type, base, resolve_params(frequency[0], base, frequency[1])))
+                original, rotating = _family_rope(model, module, layer_type)
+                check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type),
+                           rotating_pairs=rotating)
+                given = {**model_defaults(get_method(frequency[0]).params, original), **frequency[1]}
+                plan.append(RotaryTarget(name, module, layer_type, base, resolve_params(frequency[0], base, given),
+                                         rotating_pairs=rotating))
+    scales = _planned_softmax_scales(model, plan, frequency[0]) if frequency is not None else []
     _, first_module, first_type = primary_rotary(model)
     primary = plan[0].base if plan else rotary_setup(model, first_module, first_type, native_length)
     attention_params = resolve_params(attention[0], primary, attention[1]) if attention else None
@@ -226,33 +277,83 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     given = _given_native_length(model, native_length)
     if given is None and native[1].startswith("rope_patch record"):
         given = native[0]  # the record goes with the reset below: the patch keeps its length
-    unpatch(model)
+    shapes = {id(t.module): output_shapes(t.module, [u.layer_type for u in plan if u.module is t.module])
+              for t in plan}  # cos/sin shapes the attention takes, checked once the frequencies are installed
+    step("removing the earlier patch")
+    _unpatch(model)
     replaced = reset_saved_patch(modules) if frequency is not None else None  # a checkpoint's patch: back to its base
     state = PatchState(method=method, given=dict(params), targets=plan, module_snapshots={}, config_snapshots={},
                        native=native, native_given=given)
     state.config_snapshots = {id(m.config): (m.config, snapshot_config(m.config)) for _, m in modules}
     state.label = "+".join(method_label(*part) for part in (frequency, attention) if part)
     state.length_dependent = frequency is not None and get_method(frequency[0]).length_dependent
-    report, spelt = _patch_frequencies(model, state, modules, *frequency, replaced) if frequency else (None, False)
+    step("installing the frequencies")
+    report, spelt = (_patch_frequencies(model, state, modules, *frequency, replaced, step) if frequency
+                     else (None, False))
+    step("checking the patched rotary modules")
+    for target in {id(t.module): t for t in plan}.values():
+        check_output_shapes(model, target.module_name, target.module, shapes[id(target.module)])
     if attention is not None:
+        step("installing the attention method")
         state.attention = install_attention(model, attention[0], attention_params, method_label(*attention),
                                              layouts)
         report = _attention_report(model, report, primary, attention[0], attention_params)
     report.label, report.native_source = state.label, native[1]
     state.context_length = report.context_length
     layer_list = [t.layer_type for t in plan]
+    step("recording the patch in the config")
     for config, snapshot in state.config_snapshots.values():  # the record: rope_patch.from_pretrained re-applies it
         record = patch_record(snapshot, method, params, state.label, layer_list if any(layer_list) else None,
                               native[0])
         older_readers = write_record(config, record, portable=spelt and attention is None)
     report.saved_as += f"; {older_readers}"
+    step("setting the attention softmax scales")
+    state.softmax_scales = install_scales(scales)
+    step("wrapping generate")
     state.generate_snapshot = install_generate(model, patch_state)
     setattr(model, STATE_ATTR, state)
     return report
 
 
+def _family_rope(model: nn.Module, module: nn.Module, layer_type: str | None) -> tuple[dict, int | None]:
+    """The unscaled rope_parameters of one layer type, and its rotating pairs if its RoPE is proportional."""
+    state = patch_state(model)
+    live = state.config_snapshots.get(id(module.config), (None, None))[1] if state is not None else None
+    original = original_rope_parameters(module.config, layer_type, live)
+    return original, rotating_pairs(original, module._buffers[inv_freq_buffer(layer_type)].numel())
+
+
+def _planned_softmax_scales(model: nn.Module, plan: list[RotaryTarget],
+                            method: str) -> list[tuple[nn.Module, float, float]]:
+    """The softmax scales MLA attentions get under the patch: their family's function of the method's rope_parameters
+    in transformers' spelling (of plain RoPE where the method has none), from the scale each was built with."""
+    state = patch_state(model)
+
+    def built_with(config) -> dict:
+        live = state.config_snapshots.get(id(config)) if state is not None else None
+        return live[1]["rope_parameters"] if live is not None else config.rope_parameters
+
+    def original(config) -> dict:
+        live = state.config_snapshots.get(id(config)) if state is not None else None
+        return original_rope_parameters(config, None, live[1] if live is not None else None)
+
+    by_config = {id(t.module.config): t for t in plan if t.layer_type is None}  # MLA families have one RoPE
+    spec = get_method(method)
+
+    def patched(config) -> dict:
+        target = by_config.get(id(config))
+        if target is None:
+            return built_with(config)
+        if spec.rope_parameters is None:
+            return {"rope_type": "default"}
+        return spec.rope_parameters(target.base, target.params)
+
+    scales = softmax_scales(model, built_with, original)
+    return planned_scales(scales, state.softmax_scales if state is not None else None, patched)
+
+
 def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str, params: dict,
-                       replaced: str | None) -> tuple[PatchReport, bool]:
+                       replaced: str | None, step: Steps) -> tuple[PatchReport, bool]:
     """Install the frequencies of ``state.targets`` and describe them in the config (the frequency half of a patch).
     ``replaced``: the label of the patch a checkpoint recorded, if it carried one. Returns the report and whether
     the config now spells the method in transformers' own rope_parameters."""
@@ -276,6 +377,7 @@ def _patch_frequencies(model: nn.Module, state: PatchState, modules, method: str
 
     for _, module in modules:
         install_frequencies(module, [t for t in plan if t.module is module], method, length)
+    step("writing the patched RoPE into the config")
     native = all([  # a list, not a generator: every config is written
         write_config(config, [t for t in plan if t.module.config is config], method, snapshot)
         for config, snapshot in state.config_snapshots.values()
@@ -320,12 +422,23 @@ def _attention_report(model: nn.Module, report: PatchReport | None, base, method
 
 
 def unpatch(model: nn.Module) -> bool:
-    """Restore the exact original rotary modules, config and ``generate``; False if the model was not patched."""
+    """Restore the exact original rotary modules, config and ``generate``; False if the model was not patched.
+    All or nothing, as :func:`patch`: a failure leaves the patch in place and raises one RopePatchError line."""
+    state = patch_state(model)
+    if state is None:
+        return False
+    with transaction(model, "unpatch", [m for _, m in find_rotary_modules(model)]) as step:
+        step("restoring the unpatched model")
+        return _unpatch(model)
+
+
+def _unpatch(model: nn.Module) -> bool:
     state = patch_state(model)
     if state is None:
         return False
     if state.attention is not None:
         remove_attention(state.attention)
+    restore_scales(state.softmax_scales)
     for snapshot in state.module_snapshots.values():
         restore_module(snapshot)
     for config, snapshot in state.config_snapshots.values():

@@ -16,11 +16,13 @@ import functools
 import json
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 from ..errors import NativeLengthError
 from ..hub import quiet_transformers
 from ..methods import RopeBase, get_method
+from .families import carried_entries, is_unscaled, proportional_spelling
 from .rotary import MISSING, RotaryTarget, layer_rope_parameters, rebuild_module
 
 CONFIG_KEY = "rope_patch"  # where a checkpoint records the patch (inside config.json)
@@ -94,7 +96,7 @@ def stated_native_length(values: dict[str, Any], layer_type: str | None) -> Nati
         return int(params["original_max_position_embeddings"]), "rope_parameters.original_max_position_embeddings"
     if values.get("original_max_position_embeddings"):
         return int(values["original_max_position_embeddings"]), "config.original_max_position_embeddings"
-    if params.get("rope_type", "default") == "default" and values.get("max_position_embeddings"):
+    if is_unscaled(params) and values.get("max_position_embeddings"):
         return int(values["max_position_embeddings"]), "max_position_embeddings (unscaled RoPE)"
     return None
 
@@ -105,7 +107,7 @@ def config_scaling_label(config, layer_type: str | None) -> str:
     longrope's factors left out). What "as-loaded" is labelled with when no rope_patch patch is applied."""
     params = _layer({"rope_parameters": config.rope_parameters}, layer_type)
     rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
+    if is_unscaled(params):  # plain RoPE, or a family's own unscaled kind (Gemma 4's proportional)
         return "none"
     shown = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(params.items())
              if k not in ("rope_type", "rope_theta", "partial_rotary_factor") and isinstance(v, (int, float, str))]
@@ -134,6 +136,12 @@ def native_length_of(config, layer_type: str | None, live_snapshot: ConfigSnapsh
     )
 
 
+def original_rope_parameters(config, layer_type: str | None, live_snapshot: ConfigSnapshot | None = None) -> dict:
+    """The unscaled rope_parameters of one layer type (the live patch's snapshot, else a rope_patch record's
+    original, else the config's own)."""
+    return _layer(_original(_entries(config, live_snapshot)), layer_type)
+
+
 def unscaled_base(config, layer_type: str | None, dim: int, live_snapshot: ConfigSnapshot | None = None,
                   native: int | None = None) -> RopeBase:
     """The unscaled RoPE every method starts from, whatever scaling the model carries now (so nothing compounds):
@@ -145,8 +153,7 @@ def unscaled_base(config, layer_type: str | None, dim: int, live_snapshot: Confi
 
 def carries_scaling(config, layer_type: str | None) -> bool:
     """Whether the config describes a scaled RoPE (its rotary buffers are then not the plain θ_i by design)."""
-    params = layer_rope_parameters(config, layer_type)
-    return params.get("rope_type", "default") != "default" or saved_patch(config) is not None
+    return not is_unscaled(layer_rope_parameters(config, layer_type)) or saved_patch(config) is not None
 
 
 def reset_saved_patch(modules: list[tuple[str, nn.Module]]) -> str | None:
@@ -178,18 +185,15 @@ def write_config(config, targets: list[RotaryTarget], method: str, snapshot: Con
     spec = get_method(method)
     nested = any(t.layer_type for t in targets)
     rope_parameters = copy.deepcopy(config.rope_parameters)
-    for target in targets:
-        old = layer_rope_parameters(config, target.layer_type)
-        if spec.rope_parameters is not None:
-            new = spec.rope_parameters(target.base, target.params)
-            if "partial_rotary_factor" in old:
-                new["partial_rotary_factor"] = old["partial_rotary_factor"]
-            if nested:
-                rope_parameters[target.layer_type] = new
-            else:
-                rope_parameters = new
-    config.rope_parameters = rope_parameters
     native = spec.rope_parameters is not None
+    for target in targets:
+        new = spelt_rope_parameters(layer_rope_parameters(config, target.layer_type), target, method)
+        native = native and new is not None
+        if new is not None and nested:
+            rope_parameters[target.layer_type] = new
+        elif new is not None:
+            rope_parameters = new
+    config.rope_parameters = rope_parameters if native else copy.deepcopy(snapshot["rope_parameters"])
     if native:
         try:
             with quiet_transformers():
@@ -203,6 +207,19 @@ def write_config(config, targets: list[RotaryTarget], method: str, snapshot: Con
             "original_max_position_embeddings", targets[0].base.native_length
         )
     return native
+
+
+def spelt_rope_parameters(old: dict[str, Any], target: RotaryTarget, method: str) -> dict[str, Any] | None:
+    """One layer type's rope_parameters in transformers' spelling of the method, keeping what the family reads from
+    them (partial rotary, Mistral's temperature; proportional RoPE's own spelling); None: transformers has none."""
+    spec = get_method(method)
+    if spec.rope_parameters is None:
+        return None
+    new = spec.rope_parameters(target.base, target.params)
+    if "partial_rotary_factor" in old:
+        new["partial_rotary_factor"] = old["partial_rotary_factor"]
+    new.update(carried_entries(old, new, target.base.native_length))
+    return proportional_spelling(old, new) if target.rotating_pairs is not None else new
 
 
 def _position_embeddings(spec, target: RotaryTarget, native: bool) -> int:
@@ -257,7 +274,7 @@ def _reloads_identically(config, reference: dict[str, Any]) -> bool:
     rope_scaling to rope_parameters, and fills defaults from rope_theta)."""
     try:
         text = config.to_json_string()
-    except (ValueError, TypeError):
+    except Exception:  # noqa: BLE001  whatever the config class raises: it cannot be saved as it is
         return False
     reloaded = _reload(type(config), text)
     return reloaded is not None and all(reloaded.get(k) == v for k, v in reference.items())
@@ -269,8 +286,8 @@ def _reload(config_class: type, text: str) -> dict[str, Any] | None:
     try:
         with quiet_transformers():
             reloaded = config_class.from_dict(json.loads(text))
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return None
+    except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError):  # e.g. the hybrids' time_step_limit
+        return None                                                                     # (0, inf): no JSON round trip
     return {k: copy.deepcopy(getattr(reloaded, k)) for k in CONFIG_FIELDS if hasattr(reloaded, k)}
 
 

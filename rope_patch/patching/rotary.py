@@ -43,6 +43,7 @@ class RotaryTarget:
     layer_type: str | None
     base: RopeBase
     params: dict[str, Any] = field(default_factory=dict)
+    rotating_pairs: int | None = None  # proportional RoPE (Gemma 4): pairs from here on stay at frequency 0
     _cache: dict[Any, tuple[torch.Tensor, float]] = field(default_factory=dict)
 
     def frequencies(self, method: str, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -52,6 +53,9 @@ class RotaryTarget:
             if len(self._cache) > 8:
                 self._cache.clear()
             inv_freq, scaling = compute_frequencies(method, self.base, self.params, seq_len)
+            if self.rotating_pairs is not None:
+                inv_freq = inv_freq.clone()  # [dim/2]
+                inv_freq[self.rotating_pairs:] = 0.0
             self._cache[key] = (inv_freq.to(device=device, dtype=torch.float32), float(scaling))
         return self._cache[key]
 
@@ -92,12 +96,17 @@ def layer_rope_parameters(config, layer_type: str | None) -> dict[str, Any]:
     return dict(params[layer_type] if layer_type else params)
 
 
+GLOBAL_LAYER_TYPES = ("full_attention", "compress")  # Gemma's global layers, DeepSeek V4's compressed attention
+
+
 def default_layer_types(module: nn.Module) -> list[str | None]:
-    """The layer types a patch targets by default: the module's only set, or Gemma 3's global layers."""
+    """The layer types a patch targets by default: the module's only set, or the RoPE of the layers that see the whole
+    context (Gemma 3/4's global layers, DeepSeek V4's compressed attention; sliding layers never reach past their
+    window)."""
     if "inv_freq" in module._buffers:
         return [None]
     types = [t for t in getattr(module, "layer_types", []) if module.config.rope_parameters.get(t) is not None]
-    return ["full_attention"] if "full_attention" in types else types[:1]
+    return [next((t for t in GLOBAL_LAYER_TYPES if t in types), types[0])] if types else []
 
 
 def select_layer_types(module: nn.Module, layer_types: str | list[str] | None) -> list[str | None]:
@@ -124,15 +133,18 @@ def rotary_dim(module: nn.Module, layer_type: str | None) -> int:
 
 
 def check_base(model: nn.Module, name: str, module: nn.Module, layer_type: str | None, base: RopeBase,
-               scaled: bool) -> None:
+               scaled: bool, rotating_pairs: int | None = None) -> None:
     """Refuse rotary modules whose frequencies do not follow θ_i = b^(−2i/d) from their config: patching them from
-    the config would silently compute the wrong thing. ``scaled``: the module carries a scaling by design."""
+    the config would silently compute the wrong thing. ``scaled``: the module carries a scaling by design;
+    ``rotating_pairs``: proportional RoPE, whose pairs from there on have frequency 0."""
     if scaled:
         return
     original = module._buffers.get(f"{layer_type}_original_inv_freq" if layer_type else "original_inv_freq")
     if original is None:
         original = module._buffers[inv_freq_buffer(layer_type)]
     expected = default_inv_freq(base.rope_theta, base.dim)
+    if rotating_pairs is not None:
+        expected[rotating_pairs:] = 0.0
     if original.shape != expected.shape or not torch.allclose(original.float().cpu(), expected, rtol=1e-2):
         raise UnsupportedModelError(
             f"{type(model).__name__}: rotary module {name} does not follow theta_i = rope_theta^(-2i/d) "
@@ -223,3 +235,35 @@ def install_frequencies(module: nn.Module, targets: list[RotaryTarget], method: 
         return inner(x, position_ids, *args, **kwargs)
 
     module.forward = forward
+
+
+def output_shapes(module: nn.Module, layer_types: list[str | None]) -> dict[str | None, Any]:
+    """The shapes of the cos/sin a rotary module returns for a 4-token probe, per layer type (None where the module
+    cannot be probed this way: another forward signature, multimodal position ids). A patch compares them before and
+    after installing its frequencies, so a patched module that would break the attention's shapes is refused before
+    any forward runs."""
+    buffer = next((b for b in module._buffers.values() if b is not None), None)
+    device = buffer.device if buffer is not None else torch.device("cpu")
+    x, positions = torch.zeros(1, device=device), torch.arange(4, device=device)[None]
+    shapes: dict[str | None, Any] = {}
+    for layer_type in layer_types:
+        try:
+            with torch.no_grad():
+                out = module(x, positions, layer_type) if layer_type else module(x, positions)
+            shapes[layer_type] = [tuple(t.shape) for t in out] if isinstance(out, (tuple, list)) else None
+        except Exception:  # noqa: BLE001  a module this probe does not fit: nothing to compare
+            shapes[layer_type] = None
+    return shapes
+
+
+def check_output_shapes(model: nn.Module, name: str, module: nn.Module, before: dict[str | None, Any]) -> None:
+    """Refuse a patched rotary module whose cos/sin no longer have the shapes the model's attention was built for."""
+    after = output_shapes(module, list(before))
+    for layer_type, shapes in before.items():
+        if shapes is not None and after[layer_type] != shapes:
+            which = f" for {layer_type} layers" if layer_type else ""
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: patched, rotary module {name} would give cos/sin of shapes "
+                f"{after[layer_type]}{which} where the model's attention takes {shapes}: rope_patch cannot patch this "
+                "RoPE layout yet"
+            )

@@ -82,6 +82,8 @@ REFUSALS = [
     ("vllm", "ntk_by_parts:factor=2", "0.1·ln s"),
     ("vllm", "yarn:factor=2,truncate=false", "truncate"),
     ("sglang", "yarn:factor=2,attention_factor=1.5", "attention_factor=1.5"),
+    ("vllm", "yarn:factor=2,mscale=1,mscale_all_dim=1", "mscale"),
+    ("sglang", "yarn:factor=2,mscale=1,mscale_all_dim=1", "mscale"),
     ("vllm", "self_extend:group=4,window=16", "Self-Extend"),
     ("llama.cpp", "yarn:factor=2+rerope:window=16", "ReRoPE"),
     ("transformers", "rerope:window=16", "ReRoPE"),

@@ -128,7 +128,19 @@ def test_longrope_picks_short_or_long_list_by_length():
 def test_model_defaults_fill_in():
     params = resolve_params("yarn", BASE, {"factor": 2})
     assert params == {"factor": 2.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                      "attention_factor": None, "truncate": True}
+                      "attention_factor": None, "truncate": True, "mscale": None, "mscale_all_dim": None}
+
+
+@pytest.mark.parametrize("mscale, mscale_all_dim, expected", [
+    (1.0, 1.0, 1.0),  # DeepSeek V3 / Kimi K2: cos and sin untouched, the temperature goes into the softmax scale
+    (0.5, 1.0, (0.05 * math.log(8) + 1) / (0.1 * math.log(8) + 1)),
+    (1.0, None, 0.1 * math.log(8) + 1),  # one of the pair alone: the paper's temperature (transformers reads both)
+    (None, None, 0.1 * math.log(8) + 1),
+])
+def test_yarn_mscale_pair_sets_the_cos_sin_factor(mscale, mscale_all_dim, expected):
+    given = {k: v for k, v in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)) if v is not None}
+    _, attention = freqs("yarn", factor=8, original_max_position_embeddings=4096, **given)
+    assert attention == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize(
