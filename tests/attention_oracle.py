@@ -19,6 +19,7 @@ positions. Positions are the forward's ``arange``, never rope_patch's. Nothing h
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 
@@ -62,8 +63,25 @@ class Oracle:
     model = None
     captured: tuple | None = None
 
+    pending: list = []  # single-tensor rotations (Gemma 4: q and k rotated by two calls): the tensors seen so far
+
     @staticmethod
     def wrap(function):
+        if list(inspect.signature(function).parameters)[1] == "cos":  # rotate(x, cos, sin, ...): one tensor a call
+            extras: list = [(), {}]  # the arguments after cos and sin the family passes (Gemma 4: unsqueeze_dim)
+
+            def pair(q, k, cos, sin):
+                return (function(q, cos, sin, *extras[0], **extras[1]),
+                        function(k, cos, sin, *extras[0], **extras[1]))
+
+            def capturing_one(x, *args, **kwargs):
+                extras[:] = [args[2:], kwargs]
+                Oracle.pending.append(x)
+                if len(Oracle.pending) == 2:
+                    Oracle.captured = (pair, *Oracle.pending)
+                return function(x, *args, **kwargs)
+            return capturing_one
+
         def capturing(q, k, *args, **kwargs):
             Oracle.captured = (function, q, k)
             return function(q, k, *args, **kwargs)
@@ -124,9 +142,12 @@ def oracle_logits(model, ids: torch.Tensor, name: str, params: dict) -> torch.Te
     modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("Attention")}
     wrapped = [(module, fn, getattr(module, fn)) for module in modules for fn in ROTATION_FUNCTIONS
                if hasattr(module, fn)]
-    Oracle.captured = None
+    Oracle.captured, Oracle.pending = None, []
     layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    hooks = [m.register_forward_pre_hook(lambda *_: setattr(Oracle, "captured", None)) for m in layers]
+    def reset(*_):
+        Oracle.captured, Oracle.pending = None, []
+
+    hooks = [m.register_forward_pre_hook(reset) for m in layers]
     try:  # each attention layer starts with nothing captured: one that never rotates (NoPE) attends without positions
         for config in configs.values():
             config._attn_implementation_internal = ORACLE
