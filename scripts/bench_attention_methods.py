@@ -1,7 +1,9 @@
-"""Time and peak memory of rope_patch's perplexity path with attention-level methods against ``yarn:factor=2``.
+"""Time and peak memory of rope_patch's perplexity path with attention-level methods against the first method given
+(by default ``yarn:factor=2``).
 
-The issue's budget: with an attention method, ``rope-patch eval`` at 16k on the default model stays within 2.5× the
-time and 1.5× the peak memory of ``yarn:factor=2``. Each method scores the same window (the first ``--length`` tokens
+The budgets: with an attention method, ``rope-patch eval`` at 16k on the default model stays within 2.5× the time and
+1.5× the peak memory of ``yarn:factor=2`` (issue 11); Dual Chunk Attention within 1.5× Self-Extend's time and memory
+(issue 33: ``--method self_extend:group=8,window=1024 --method dca:chunk=6144,local=512``). Each method scores the same window (the first ``--length`` tokens
 of ``_pydecimal.py``) through ``window_nll``, the function ``rope-patch eval`` runs, on the embedded SmolLM2-135M.
 
 * CPU: each method in a fresh process, so its peak resident memory (``ru_maxrss``) is its own.
@@ -10,6 +12,8 @@ of ``_pydecimal.py``) through ``window_nll``, the function ``rope-patch eval`` r
     python scripts/bench_attention_methods.py                     # CPU, 16k, dtype auto (what eval uses)
     python scripts/bench_attention_methods.py --device cuda --length 32768
     python scripts/bench_attention_methods.py --smoke             # every code path at 512 tokens, seconds
+    python scripts/bench_attention_methods.py --layers 2 --method self_extend:group=8,window=1024 \
+        --method dca:chunk=6144,local=512                          # DCA against Self-Extend, two layers
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ METHODS = [
     "self_extend:group=8,window=1024",
     "rerope:window=2048",
     "leaky_rerope:window=2048,factor=16",
+    "dca:chunk=6144,local=512",
 ]
 
 
@@ -42,6 +47,9 @@ def measure(method: str, args, queue=None) -> dict:
                                   attn_implementation=default_attention(args.device))
     docs = {d.id: d for d in tokenize_documents(tokenizer, load_documents())}
     ids = torch.as_tensor(docs["_pydecimal.py"].ids[: args.length].astype("int64"))[None].to(args.device)
+    if args.layers:  # the first N decoder layers only: the same attention per layer, a fraction of the time
+        model.model.layers = model.model.layers[: args.layers]
+        model.config.num_hidden_layers = args.layers
     patch(model, method)
     cuda = args.device.startswith("cuda")
     with torch.no_grad():
@@ -49,14 +57,15 @@ def measure(method: str, args, queue=None) -> dict:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = window_nll(model, ids, [1])[0].double().mean().item()
         if cuda:
             torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     row = {"method": method, "device": args.device, "dtype": str(next(model.parameters()).dtype),
-           "tokens": ids.shape[1], "seconds": round(seconds, 2), "loss": loss,
+           "tokens": ids.shape[1], "layers": len(model.model.layers), "seconds": round(seconds, 2),
+           "cpu_seconds": round(cpu_seconds, 2), "loss": loss,
            "perplexity": float(torch.tensor(loss).exp()), "peak_mib": round(peak / 2**20)}
     if queue is not None:
         queue.put(row)
@@ -68,8 +77,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--length", type=int, default=16384, help="tokens in the window")
     parser.add_argument("--dtype", default="auto", help="auto (what eval uses), fp32 or bf16")
-    parser.add_argument("--method", action="append", help="method specs (default: yarn x2 and the three methods)")
+    parser.add_argument("--method", action="append", help="method specs, the first the reference (default: yarn x2 and the four methods)")
     parser.add_argument("--smoke", action="store_true", help="512 tokens: check every code path in seconds")
+    parser.add_argument("--layers", type=int, help="keep the first N decoder layers (a loaded machine: the attention "
+                                                   "of every layer is the same, so the ratios hold at a fraction of "
+                                                   "the time)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     if args.smoke:
@@ -84,7 +96,8 @@ def main() -> None:
     reference = rows[0]
     for row in rows[1:]:
         print(f"{row['method']}: {row['seconds']:.1f} s ({row['seconds'] / reference['seconds']:.2f}x "
-              f"{reference['method']}), peak {row['peak_mib']} MiB ({row['peak_mib'] / reference['peak_mib']:.2f}x), "
+              f"{reference['method']}), CPU {row['cpu_seconds']:.1f} s "
+              f"({row['cpu_seconds'] / reference['cpu_seconds']:.2f}x), peak {row['peak_mib']} MiB ({row['peak_mib'] / reference['peak_mib']:.2f}x), "
               f"ppl {row['perplexity']:.3f} vs {reference['perplexity']:.3f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -53,7 +53,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": {"attn_layer_indices": [1]},  # no attention layer by default
     "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
     "deepseek_v4": {"head_dim": 128},
-    "gemma4_text": {"global_head_dim": 32},  # 512 by default (a keyword only, so not shrunk with the fields)
+    "gemma4_text": {"global_head_dim": 32},
+    "mimo_v2_flash": {"head_dim": 48},  # its partial rotary factor 1/3 leaves 16 rotary dims  # 512 by default (a keyword only, so not shrunk with the fields)
     "gemma4_unified_text": {"global_head_dim": 32},  # its partial rotary factor 1/8 leaves 16 rotary dims
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"],  # all Mamba, no RoPE by default
                          "position_embedding_type": "rope"},

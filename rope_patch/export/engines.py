@@ -17,6 +17,12 @@ The rules come from each engine's source, read where rope_patch could not check 
   YaRN's betas, and has no dynamic scaling. Any static per-pair frequencies with one attention factor are exact
   through ``rope_freqs`` (:mod:`rope_patch.export.gguf`).
 - No engine has Self-Extend or ReRoPE (llama.cpp keeps group attention in its CLI tools only).
+- vLLM has Dual Chunk Attention (``dual_chunk_attention_config``: ``DualChunkRotaryEmbedding`` in
+  ``model_executor/layers/rotary_embedding/dual_chunk_rope.py``, the ``DUAL_CHUNK_FLASH_ATTN`` backend of its V0
+  engine, read by the Qwen2 and Qwen2-MoE models, and Qwen3-MoE): its ``chunk_size``/``local_size`` are
+  ``dca:chunk=C,local=W`` exactly. Its rotary ignores ``rope_parameters``' scaling (unscaled frequencies from
+  ``rope_theta``), so DCA is exported alone; its backend works on KV blocks of 16 tokens (chunk − local a multiple of
+  16). The backend is GPU-only and went with the V0 engine in vLLM 0.11 (vllm#25351).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import json
 import math
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -249,6 +255,7 @@ class ServingSettings:
     max_model_len: int  # the context to serve at: the extended length, never the native one
     overrides: dict  # vLLM: --hf-overrides; SGLang: --json-model-override-args; else {}
     serve_command: str  # the exact command line serving the exported folder
+    config_keys: dict = field(default_factory=dict)  # keys the exported config.json carries beyond the model's own
 
 
 def serving_settings(model: nn.Module, engine: str, *, longrope_short_equals_long: bool = False,
@@ -258,8 +265,11 @@ def serving_settings(model: nn.Module, engine: str, *, longrope_short_equals_lon
     ``folder``: the exported folder the serve command names."""
     if engine not in ENGINES:
         raise EngineUnsupportedError(f"engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    rope = served_rope(model)
+    if rope.attention and rope.attention.split(":")[0] == "dca":
+        return _dual_chunk_settings(model, engine, rope, folder)
     partial = (model.config.rope_parameters or {}).get("partial_rotary_factor")
-    return rope_settings(served_rope(model), engine, longrope_short_equals_long=longrope_short_equals_long,
+    return rope_settings(rope, engine, longrope_short_equals_long=longrope_short_equals_long,
                          folder=folder, partial_rotary_factor=partial)
 
 
@@ -278,6 +288,45 @@ def rope_settings(rope: ServedRope, engine: str, *, longrope_short_equals_long: 
     overrides = {"rope_parameters": parameters, "max_position_embeddings": length} \
         if engine in ("vllm", "sglang") else {}
     return ServingSettings(engine, parameters, length, overrides, serve_command(engine, folder, length))
+
+
+VLLM_DCA_FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe")  # model_types whose vLLM model passes it to get_rope
+VLLM_DCA_BLOCK = 16  # vLLM's KV block size, which the DCA backend needs to divide the chunk length
+DCA_SERVED_FACTOR = 4  # DCA has no length limit: the export serves 4× the native length (any --max-model-len works)
+
+
+def _dual_chunk_settings(model: nn.Module, engine: str, rope: ServedRope, folder: str) -> ServingSettings:
+    """vLLM's ``dual_chunk_attention_config`` for a model patched with ``dca`` alone, or one line saying why not."""
+    name, given = frequency_and_attention(rope.label)[1]
+    params = resolve_params(name, rope.base, given)
+    own = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
+    reason = None
+    if engine != "vllm":
+        reason = f"{ENGINE_NAMES[engine]} is given Dual Chunk Attention by rope_patch for vLLM only"
+    elif rope.method != "none" or own != "default":
+        reason = (f"DCA on top of {rope.method if rope.method != 'none' else own} frequencies: vLLM's "
+                  "DualChunkRotaryEmbedding computes unscaled ones from rope_theta and ignores rope_parameters' "
+                  "scaling; export dca alone")
+    elif rope.model_type not in VLLM_DCA_FAMILIES:
+        reason = (f"model_type {rope.model_type!r}: vLLM reads dual_chunk_attention_config only in "
+                  f"{', '.join(VLLM_DCA_FAMILIES)}")
+    elif (params["chunk"] - params["local"]) % VLLM_DCA_BLOCK:
+        reason = (f"chunk − local = {params['chunk'] - params['local']}: vLLM's DCA backend needs a multiple of its "
+                  f"KV block size, {VLLM_DCA_BLOCK}")
+    if reason is not None:
+        raise EngineUnsupportedError(f"{ENGINE_NAMES[engine]} cannot serve {rope.label} exactly: {reason}")
+    parameters = {"rope_type": "default", "rope_theta": rope.base.rope_theta}
+    partial = (model.config.rope_parameters or {}).get("partial_rotary_factor")
+    if partial is not None:
+        parameters["partial_rotary_factor"] = partial
+    dual_chunk = {"chunk_size": params["chunk"], "local_size": params["local"]}  # no original_max_position_embeddings:
+    # with it, vLLM also scales the logits by 0.1·ln(length / it) + 1, which rope_patch's dca does not
+    length = rope.base.native_length * DCA_SERVED_FACTOR
+    overrides = {"dual_chunk_attention_config": dual_chunk, "max_position_embeddings": length}
+    command = (f"VLLM_USE_V1=0 VLLM_ATTENTION_BACKEND=DUAL_CHUNK_FLASH_ATTN {serve_command(engine, folder, length)} "
+               "--enforce-eager")
+    return ServingSettings(engine, parameters, length, overrides, command,
+                           {"dual_chunk_attention_config": dual_chunk})
 
 
 GGUF_FILE = "model.gguf"
@@ -312,6 +361,9 @@ def override_command(engine: str, model: str, settings: ServingSettings) -> str 
 
 
 def _cell(engine: str, method: str) -> str:
+    if method == "dca" and engine == "vllm":
+        return (f"yes (alone, on {', '.join(VLLM_DCA_FAMILIES)}; chunk − local a multiple of {VLLM_DCA_BLOCK}; "
+                "vLLM ≤ 0.10, V0 engine, GPU)")
     if get_method(method).kind == "attention":
         return "no"
     rule = RULES[engine].get(method)

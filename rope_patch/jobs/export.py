@@ -111,6 +111,9 @@ def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: Servi
             else:
                 model.save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
+                if settings.config_keys:  # what the engine reads beyond transformers' config (vLLM's DCA)
+                    saved = json.loads((tmp / "config.json").read_text())
+                    (tmp / "config.json").write_text(json.dumps({**saved, **settings.config_keys}, indent=2) + "\n")
             (tmp / "README.md").write_text(readme(config, settings, label, model_label, plan))
             record = {"engine": config.engine, "method": label, "model": model_label, "settings": describe(settings),
                       "gguf_rope": plan.keys if plan else None}
@@ -197,6 +200,9 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
     if config.gguf:
         lines += [f"`{GGUF_FILE}` is `{Path(config.gguf).name}` with every tensor copied byte for byte and every "
                   "key kept, but for its RoPE keys and tensors.", ""]
+    if settings.config_keys:
+        lines += [f"Also in `config.json`, for {engine}:", "", "```json", json.dumps(settings.config_keys, indent=1),
+                  "```", ""]
     if plan is not None:
         lines += [f"The GGUF file `{GGUF_FILE}` carries it as {plan.how}:", "", "```json",
                   json.dumps(plan.keys, indent=1), "```", ""]

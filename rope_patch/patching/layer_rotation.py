@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..errors import UnsupportedModelError
 from .offload import input_device
 from .rotary import MISSING, inv_freq_buffer, restore_module, snapshot_module
+from .tiled_mask import tiled_mask
 
 PROBE_NAME = "rope_patch_probe"
 PROBE_POSITIONS = (3, 65_539)  # a small angle per pair, and one past a Llama 4-style temperature threshold (8192)
@@ -49,12 +50,14 @@ def rotate_by(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor, layo
     return torch.cat([rotated, rest], dim=-1)
 
 
-def layer_inv_freq(rotary: nn.Module, layer_types: list[str] | None, layer_idx: int) -> torch.Tensor:
-    """The current fp32 frequencies of layer ``layer_idx`` (Gemma 3: its layer type's set)."""
+def layer_inv_freq(rotary: nn.Module, layer_types: list[str] | None, layer_idx: int) -> torch.Tensor | None:
+    """The current fp32 frequencies of layer ``layer_idx`` (Gemma 3: its layer type's set); None for a layer type the
+    rotary module holds none for (Beam's NoPE full-attention layers)."""
     layer_type = None
     if "inv_freq" not in rotary._buffers and layer_types is not None:
         layer_type = layer_types[layer_idx]
-    return rotary._buffers[inv_freq_buffer(layer_type)].float()
+    buffer = rotary._buffers.get(inv_freq_buffer(layer_type))
+    return None if buffer is None else buffer.float()
 
 
 def _capture(module, query, key, value, attention_mask, **kwargs):
@@ -70,6 +73,9 @@ def _capture(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register(PROBE_NAME, _capture)
 AttentionMaskInterface.register(PROBE_NAME, sdpa_mask)
+TILED_PROBE_NAME = "rope_patch_probe_tiled"  # the probe's attention with the methods' tiled mask
+AttentionInterface.register(TILED_PROBE_NAME, _capture)
+AttentionMaskInterface.register(TILED_PROBE_NAME, tiled_mask)
 
 
 def _probe_token_ids(config, device) -> torch.Tensor:
@@ -80,15 +86,21 @@ def _probe_token_ids(config, device) -> torch.Tensor:
     return torch.tensor(ids + ids[:1], device=device)[:2, None]
 
 
-def _forward_captured(model: nn.Module, configs: list, position: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _forward_captured(model: nn.Module, configs: list, position: int,
+                      name: str = PROBE_NAME) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """One probe forward (one token per row at ``position``; a padded second token under the tiled mask)."""
     ids = _probe_token_ids(model.config, input_device(model))
+    kwargs = {"position_ids": torch.full_like(ids, position)}
+    if name == TILED_PROBE_NAME:  # a left-padded row: transformers hands over a mask, here a TiledMask
+        ids = torch.cat([ids, ids], dim=1)
+        kwargs = {"attention_mask": torch.tensor([[1, 1], [0, 1]], device=ids.device)}
     _captured.clear()
     previous = [(c, c.__dict__.get("_attn_implementation_internal", MISSING)) for c in configs]
     try:
         for config in configs:
-            config._attn_implementation_internal = PROBE_NAME
+            config._attn_implementation_internal = name
         with torch.no_grad():
-            model(input_ids=ids, position_ids=torch.full_like(ids, position), use_cache=False)
+            model(input_ids=ids, use_cache=False, **kwargs)
         return dict(_captured)
     finally:
         for config, value in previous:
@@ -117,13 +129,21 @@ def probe_layer_rotations(model: nn.Module, modules: list[nn.Module], rotary: nn
                 layer = module.layer_idx
                 if layer not in base or layer not in moved:
                     continue
+                inv_freq = layer_inv_freq(rotary, layer_types, layer)
                 layout = _matching_layout(base[layer], moved[layer], position,
-                                          layer_inv_freq(rotary, layer_types, layer).to(base[layer][0].device))
+                                          None if inv_freq is None else inv_freq.to(base[layer][0].device))
                 if layout is None or found.setdefault(layer, layout) != layout:
                     raise UnsupportedModelError(
                         f"{type(model).__name__} ({model.config.model_type}): layer {layer} transforms q and k by "
                         "position in a way the attention-level methods cannot reproduce (neither half-split nor "
                         "interleaved RoPE, nor none); use a frequency method")
+        try:  # a family that reads the mask itself (Doge's dynamic mask) cannot take one built tile by tile
+            _forward_captured(model, configs, 0, TILED_PROBE_NAME)
+        except (AttributeError, TypeError, RuntimeError, IndexError) as error:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} ({model.config.model_type}): its layers read the attention mask themselves "
+                f"({type(error).__name__}), and the attention-level methods build it tile by tile; use a frequency "
+                "method") from None
     finally:
         for snapshot in snapshots:
             restore_module(snapshot)
@@ -136,11 +156,12 @@ def probe_layer_rotations(model: nn.Module, modules: list[nn.Module], rotary: nn
 
 
 def _matching_layout(base: tuple[torch.Tensor, torch.Tensor], moved: tuple[torch.Tensor, torch.Tensor], position: int,
-                     inv_freq: torch.Tensor) -> str | None:
-    """The layout that turns the position-0 q, k into those at ``position`` ("none": unchanged), or None."""
+                     inv_freq: torch.Tensor | None) -> str | None:
+    """The layout that turns the position-0 q, k into those at ``position`` ("none": unchanged), or None. A layer
+    without frequencies (``inv_freq`` None) can only be "none"."""
     scale = max(base[0].abs().max().item(), base[1].abs().max().item(), 1e-30)
     candidates: dict[str, Any] = {"none": lambda x: x}
-    for layout in LAYOUTS:
+    for layout in LAYOUTS if inv_freq is not None else ():
         candidates[layout] = lambda x, layout=layout: rotate_by(
             x, torch.full(x.shape[:1] + x.shape[2:3], float(position), device=x.device), inv_freq, layout)
     for name, rotate in candidates.items():

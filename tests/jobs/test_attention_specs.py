@@ -25,7 +25,7 @@ def test_eval_from_a_yaml_config_with_attention_methods(tiny_folder, tmp_path, c
     config.write_text(
         "# rope-patch eval --config c.yaml\n"
         f"method: [none, 'rerope:window=200', 'self_extend:group=4,window=16', '{COMBINED}',\n"
-        "         {name: leaky_rerope, window: 16, factor: 4}]\n"
+        "         {name: leaky_rerope, window: 16, factor: 4}, 'dca:chunk=200,local=16', 'dca:chunk=40,local=8']\n"
         f"lengths: [128]\ndataset: {corpus}\ndtype: fp32\nprotocol: truncate\noutput: {out}\n"
     )
     assert main(["eval", "--model", str(folder), "--config", str(config)]) == 0
@@ -35,6 +35,8 @@ def test_eval_from_a_yaml_config_with_attention_methods(tiny_folder, tmp_path, c
         ppl = {r["method"]: float(r["perplexity"]) for r in csv.DictReader(summary)}
     assert ppl["rerope:window=200"] == pytest.approx(ppl["none"], rel=1e-5)  # W beyond the window: unchanged
     assert ppl["self_extend:group=4,window=16"] != ppl["none"]  # (a random tiny model: close to uniform anyway)
+    assert ppl["dca:chunk=200,local=16"] == pytest.approx(ppl["none"], rel=1e-5)  # within C: unchanged
+    assert ppl["dca:chunk=40,local=8"] != ppl["none"]
 
 
 def test_passkey_generates_with_an_attention_method(tmp_path, capsys):
@@ -43,11 +45,12 @@ def test_passkey_generates_with_an_attention_method(tmp_path, capsys):
     make_char_tokenizer(add_bos=True).save_pretrained(folder)
     out = tmp_path / "run"
     argv = ["passkey", "--model", str(folder), "--method", "none", "--method", "self_extend:group=4,window=32",
-            "--method", COMBINED, "--lengths", "260", "--depths", "0.5", "--trials", "1", "--max-new-tokens", "3",
+            "--method", COMBINED, "--method", "dca:chunk=64,local=16", "--lengths", "260", "--depths", "0.5", "--trials", "1", "--max-new-tokens", "3",
             "--dtype", "fp32", "--output", str(out)]
     assert main(argv) == 0
     assert "self_extend:group=4,window=32" in capsys.readouterr().out
-    assert {r["method"] for r in _rows(out)} == {"none", "self_extend:group=4,window=32", COMBINED}
+    assert {r["method"] for r in _rows(out)} == {"none", "self_extend:group=4,window=32", COMBINED,
+                                                 "dca:chunk=64,local=16"}
 
 
 def test_inspect_shows_the_relative_positions_an_attention_method_sees(tiny_folder):

@@ -1,8 +1,8 @@
 """Dual Chunk Attention (``dca:chunk=C,local=W``) on tiny models: exact against a dense O(L²) reference written here
 from the paper's formulas, equal to the unpatched model up to position C, cache-correct in generation.
 
-The reference shares no code with rope_patch. It builds the paper's position vectors (An et al. 2024,
-arXiv:2402.17463, section 3) in its own notation, chunk length s, local window w, cap c − 1:
+The reference (``tests/attention_oracle.py``) shares no code with rope_patch. It builds the paper's position vectors
+(An et al. 2024, arXiv:2402.17463, section 3) in its own notation, chunk length s, local window w, cap c − 1:
 
 * keys P_k[j] = j mod s;
 * intra-chunk queries P_q[i] = i mod s;
@@ -11,112 +11,25 @@ arXiv:2402.17463, section 3) in its own notation, chunk length s, local window w
 
 and the paper's block choice by chunk index (same chunk, previous chunk, older). rope_patch's ``chunk=C, local=W``
 (vLLM's ``chunk_size``/``local_size``) is the paper's s = C − W, w = W + 1, c = C + 1. q and k are rotated at those
-positions by the family's own rotation function and rotary module (captured as in ``test_attention.py``), the three
-L × L score matrices are built in full, one per pair is kept, and one softmax runs over all keys.
+positions by the family's own rotation function and rotary module, the three L × L score matrices are built in full,
+one per pair is kept, and one softmax runs over all keys.
 """
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
+from attention_oracle import oracle_logits
 from tiny_models import build_model, family_config, tiny_llama_config
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import rope_patch
 from rope_patch.errors import InvalidParameterError
 
-REFERENCE = "rope_patch_test_dca_reference"
-ROTATION_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")
 CHUNK, LOCAL = 20, 6  # s = 14: a 90-token prompt spans 7 chunks
 
 
-def paper_positions(length: int, chunk: int, local: int):
-    """The paper's position vectors and block choice for a sequence 0..length-1, from rope_patch's (C, W)."""
-    s, w, c = chunk - local, local + 1, chunk + 1
-    i = torch.arange(length)
-    p_k = (i % s).float()
-    p_intra = (i % s).float()
-    p_succ = torch.where(i % s < w, s + i % s, torch.full_like(i, c - 1)).float()
-    p_inter = torch.full((length,), float(c - 1))
-    block = (i[:, None] // s - i[None, :] // s).clamp(0, 2)  # [L, L]: 0 same chunk, 1 previous chunk, 2 older
-    return p_k, (p_intra, p_succ, p_inter), block
-
-
-class Reference:
-    """The oracle attention under its own name in transformers' interface: the family's own rotation, wrapped while
-    it runs, hands over each layer's unrotated q and k (a NoPE layer never calls it and attends without positions)."""
-
-    chunk_local: tuple[int, int] = (CHUNK, LOCAL)
-    model = None
-    captured: tuple | None = None
-
-    @staticmethod
-    def wrap(function):
-        def capturing(q, k, *args, **kwargs):
-            Reference.captured = (function, q, k)
-            return function(q, k, *args, **kwargs)
-        return capturing
-
-    @staticmethod
-    def rotate(module, function, raw, positions, like):
-        """The family's rotation of the unrotated ``raw`` at ``positions`` [n], laid out as ``like`` [b, h, n, d]."""
-        rotary = next(m for m in Reference.model.modules() if any(b.endswith("inv_freq") for b in m._buffers))
-        layer_types = getattr(rotary.config, "layer_types", None)
-        extra = () if "inv_freq" in rotary._buffers else (layer_types[module.layer_idx],)
-        embedding = rotary(like, positions[None].expand(like.shape[0], -1), *extra)
-        rotated = function(raw, raw, *(embedding if isinstance(embedding, tuple) else (embedding,)))[0]
-        if rotated.shape[1] != like.shape[1]:  # rotated as [b, n, h, d] (Llama 4)
-            rotated = rotated.transpose(1, 2)
-        if rotated.shape[-1] < like.shape[-1]:  # partial RoPE rotated apart from the rest
-            rotated = torch.cat([rotated, like[..., rotated.shape[-1]:]], -1)
-        return rotated * (like.norm(dim=-1, keepdim=True) / rotated.norm(dim=-1, keepdim=True))  # a qk-norm after it
-
-    @staticmethod
-    def attention(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
-        captured, Reference.captured = Reference.captured, None
-        n, groups = query.shape[2], query.shape[1] // key.shape[1]
-        if captured is None:
-            scores = query @ key.repeat_interleave(groups, 1).transpose(-1, -2)
-        else:
-            function, q_raw, k_raw = captured
-            p_k, query_positions, block = paper_positions(n, *Reference.chunk_local)
-            k_rot = Reference.rotate(module, function, k_raw, p_k, key).repeat_interleave(groups, 1)
-            scores = torch.zeros(query.shape[0], query.shape[1], n, n)
-            for index, p_q in enumerate(query_positions):
-                q_rot = Reference.rotate(module, function, q_raw, p_q, query)
-                scores = torch.where(block == index, q_rot @ k_rot.transpose(-1, -2), scores)
-        scores = scores * (scaling or query.shape[-1] ** -0.5)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        allowed = torch.ones(n, n, dtype=torch.bool).tril() if attention_mask is None else attention_mask
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        value = value.repeat_interleave(groups, 1)
-        return (torch.softmax(scores, -1) @ value).transpose(1, 2), None
-
-
-AttentionInterface.register(REFERENCE, Reference.attention)
-AttentionMaskInterface.register(REFERENCE, sdpa_mask)
-
-
 def reference_logits(model, ids: torch.Tensor, chunk: int = CHUNK, local: int = LOCAL) -> torch.Tensor:
-    previous = model.config._attn_implementation
-    Reference.chunk_local, Reference.model = (chunk, local), model
-    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("Attention")}
-    wrapped = [(module, fn, getattr(module, fn)) for module in modules for fn in ROTATION_FUNCTIONS
-               if hasattr(module, fn)]
-    model.config._attn_implementation = REFERENCE
-    try:
-        for module, fn, original in wrapped:
-            setattr(module, fn, Reference.wrap(original))
-        with torch.no_grad():
-            return model(ids).logits
-    finally:
-        for module, fn, original in wrapped:
-            setattr(module, fn, original)
-        model.config._attn_implementation = previous
+    return oracle_logits(model, ids, "dca", {"chunk": chunk, "local": local})
 
 
 def prompt(length: int = 90, batch: int = 1, seed: int = 1) -> torch.Tensor:
@@ -225,3 +138,11 @@ def test_the_relative_positions_inspect_reports():
     # s = 14: d = 14..20 is in the next chunk with i mod s = 0..6 ≤ W: exact; 21 → 14 + 7 capped at 20; 28 and 100
     # are two or more chunks on: the query at C = 20, the key at 0
     assert seen == [0.0, 5.0, 14.0, 20.0, 20.0, 20.0, 20.0, 20.0]
+
+
+def test_inspect_prints_the_positions_dca_gives(tiny_folder):
+    from rope_patch.jobs.inspect import run_inspect
+
+    result = run_inspect(model=str(tiny_folder[0]), method=f"dca:chunk={CHUNK},local={LOCAL}")
+    seen = {row["distance"]: row["relative_position"] for row in result.positions}
+    assert seen[10] == 10 and seen[20] == 20 and seen[40] == 20  # distances around C: exact up to C, then C

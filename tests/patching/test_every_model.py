@@ -47,6 +47,7 @@ TOLERANCE = 1e-4  # fp32 logits of a tiny model: the same maths in another order
 
 # rope_parameters keys that describe a scaling: dropped from the model's own entry when the oracle gets the method's
 SCALING_KEYS = {"rope_type", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                "short_mscale", "long_mscale",
                 "truncate", "low_freq_factor", "high_freq_factor", "short_factor", "long_factor"}
 
 
@@ -165,10 +166,10 @@ def methods_of(model_type: str) -> list[str]:
 @functools.cache
 def outcome(model_type: str, label: str) -> str:
     """``exact``, ``refused: <the error line>`` or ``untestable: <why>``; a wrong number or a changed model fails."""
-    if model_type in UNBUILDABLE:
-        return f"untestable: {UNBUILDABLE[model_type]}"
     if label not in methods_of(model_type):
         return "not run"
+    if model_type in UNBUILDABLE:
+        return f"untestable: {UNBUILDABLE[model_type]}"
     model = cached_model(model_type)
     method, params, _, _ = METHODS[label]
     before = fingerprint(model)
