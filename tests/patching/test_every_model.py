@@ -275,7 +275,8 @@ def _summary() -> str:
     counts = type_counts()
     return (f"{counts['exact']} are exact under every method, {counts['refused']} refuse some methods by name, "
             f"{counts['partly untestable']} have methods transformers cannot build an oracle for, "
-            f"{counts['untestable']} cannot be built tiny.")
+            f"{counts['untestable']} are untestable (not built tiny, or no method transformers builds an oracle "
+            "for).")
 
 
 def test_the_committed_table_is_what_the_sweep_finds():
