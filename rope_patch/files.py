@@ -1,11 +1,11 @@
 """Writing results so that a crash, a full disk or a second process on the folder never leaves a half file or mixes
 two runs.
 
-- :func:`atomic_write`: a whole file (summary, table, plot) goes to a temporary file in the same folder, is synced,
+- ``atomic_write``: a whole file (summary, table, plot) goes to a temporary file in the same folder, is synced,
   then renamed over the old one: readers see the old file or the new one, never half of one.
-- :func:`disk_full_error`: ENOSPC, EDQUOT and EFBIG become one :class:`~rope_patch.errors.DiskFullError` line naming
+- ``disk_full_error``: ENOSPC, EDQUOT and EFBIG become one ``DiskFullError`` line naming
   the folder, the bytes needed and the bytes free.
-- :class:`FolderLock`: ``fcntl.flock`` on ``FOLDER/.rope-patch.lock``, held by the writing process for its whole run.
+- ``FolderLock``: ``fcntl.flock`` on ``FOLDER/.rope-patch.lock``, held by the writing process for its whole run.
   The kernel drops it when the process dies (``kill -9`` included), so it is never stale. A second writer waits its
   turn (saying who holds the folder), then skips what the first finished. Readers take no lock.
 """

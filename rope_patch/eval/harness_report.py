@@ -1,6 +1,6 @@
 """lm-eval reports: one row per method × task × metric (× length), as a terminal table, CSV, JSON and a plot.
 
-:func:`summarize` reads lm-eval's own results out of the records of :mod:`rope_patch.eval.harness`; everything else
+``summarize`` reads lm-eval's own results out of the records of ``rope_patch.eval.harness``; everything else
 formats or draws those rows. A metric named by a number is a length (RULER scores each length under its own metric,
 ``"4096"``): its row gets that length and the metric name ``score``, and the ``-1`` RULER reports for lengths it did not
 run is left out. A run of a length sweep gives its rows the run's length.

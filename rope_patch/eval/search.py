@@ -1,8 +1,8 @@
 """LongRoPE's search on a model: each candidate's fitness is the model's perplexity with the candidate as its
 ``longrope`` long factors, and the found factors against the hand-tuned methods on documents the search never saw.
 
-The search itself is pure maths (:mod:`rope_patch.methods.evolution`); this module scores candidates with the
-perplexity loop every other evaluation uses (:func:`rope_patch.eval.perplexity.evaluate`, truncate protocol at the
+The search itself is pure maths (``rope_patch.methods.evolution``); this module scores candidates with the
+perplexity loop every other evaluation uses (``rope_patch.eval.perplexity.evaluate``, truncate protocol at the
 target length: one forward per document), so the fitness is exactly the number ``rope-patch eval`` reports for the
 same factors. Every scored candidate is written at once to its own store, keyed by the factors and by everything else
 that changes the score (the model's fingerprint, dtype and attention implementation, the tokenizer, documents, target,

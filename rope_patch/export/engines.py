@@ -1,8 +1,8 @@
 """What each serving engine must be given to compute the model's RoPE exactly as rope_patch does, or why it cannot.
 
-One function per question: :func:`served_rope` (the RoPE the model runs now, patched or as loaded),
-:func:`serving_settings` (an engine's settings for it, or :class:`~rope_patch.errors.EngineUnsupportedError`, one
-line) and :func:`support_table` (the method × engine table of the docs, generated from the rules below so it cannot
+One function per question: ``served_rope`` (the RoPE the model runs now, patched or as loaded),
+``serving_settings`` (an engine's settings for it, or ``EngineUnsupportedError``, one
+line) and ``support_table`` (the method × engine table of the docs, generated from the rules below so it cannot
 drift from what the code refuses).
 
 The rules come from each engine's source, read where rope_patch could not check a number itself:
@@ -15,7 +15,7 @@ The rules come from each engine's source, read where rope_patch could not check 
   ``rope.scaling.{type,factor,original_context_length,attn_factor}`` and per-pair divisors (``rope_freqs``, or
   LongRoPE's ``rope_factors_long``/``_short`` chosen by the configured context, not the current length), never
   YaRN's betas, and has no dynamic scaling. Any static per-pair frequencies with one attention factor are exact
-  through ``rope_freqs`` (:mod:`rope_patch.export.gguf`).
+  through ``rope_freqs`` (``rope_patch.export.gguf``).
 - No engine has Self-Extend or ReRoPE (llama.cpp keeps group attention in its CLI tools only).
 """
 
@@ -278,7 +278,7 @@ def _cell(engine: str, method: str) -> str:
 
 
 def support_table() -> str:
-    """The method × engine table in Markdown, from :data:`RULES` (docs/export.md holds a copy a test checks)."""
+    """The method × engine table in Markdown, from ``RULES`` (docs/export.md holds a copy a test checks)."""
     methods = [m for m in available_methods() if m in RULES["vllm"] or get_method(m).kind == "attention"]
     header = "| method | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |"
     lines = [header, "|---" * (len(ENGINES) + 1) + "|"]

@@ -51,7 +51,7 @@ class GgufRope:
 
 
 def gguf_rope(rope: ServedRope, *, longrope_short_equals_long: bool = False) -> GgufRope:
-    """llama.cpp's keys and tensors for ``rope`` (already checked servable by :func:`serving_settings`)."""
+    """llama.cpp's keys and tensors for ``rope`` (already checked servable by ``serving_settings``)."""
     base, p = rope.base, rope.params
     keys: dict[str, Any] = {"rope.freq_base": base.rope_theta, "rope.dimension_count": base.dim}
     if rope.method in ("none", "base", "ntk"):

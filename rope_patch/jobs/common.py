@@ -79,7 +79,7 @@ class SweepConfig(JobConfig):
 
     def setup(self, loaded: LoadedModel, **settings: Any) -> dict[str, Any]:
         """The settings that key this job's finished rows, beside what the sweep reads from the model itself (its
-        fingerprint, dtype and attention implementation, :func:`~rope_patch.eval.sweep.model_setup`): the model's
+        fingerprint, dtype and attention implementation, ``model_setup``): the model's
         name, its tokenizer, the kernels, the native length, and the job's own ``settings`` that change numbers."""
         return {"model": loaded.label, "tokenizer": tokenizer_fingerprint(loaded.tokenizer),
                 "kernels": kernel_choice(self.kernels), "native_length": native_length(loaded.model), **settings}

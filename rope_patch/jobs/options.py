@@ -1,9 +1,9 @@
 """Job configs: one dataclass per job whose fields are the command-line options, the YAML keys and the Python keyword
 arguments, with one name, one default and one help text each.
 
-A field is declared with :func:`option`. Values are parsed and checked here, once, whatever their origin: a command
+A field is declared with ``option``. Values are parsed and checked here, once, whatever their origin: a command
 line gives strings (``"4096,8192,16k"``, ``"true"``), YAML gives numbers and lists, Python gives anything. Bad values
-raise :class:`~rope_patch.errors.ConfigError` naming the option and the fix.
+raise ``ConfigError`` naming the option and the fix.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 @dataclasses.dataclass
 class JobConfig:
-    """Base of every job's config: parses each field on construction, then runs the job's own :meth:`validate`."""
+    """Base of every job's config: parses each field on construction, then runs the job's own ``validate``."""
 
     command: ClassVar[str] = ""  # the rope-patch verb, for messages and the first line of saved configs
 

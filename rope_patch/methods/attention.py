@@ -3,7 +3,7 @@
 For a query at absolute position i and a key at position j, d = i − j. Pairs with d < W (the near band) keep the usual
 rotation: query at i, key at j, relative position d. Farther pairs (the far band) see the query rotated at far_q(i)
 and the key at far_k(j); the two score bands are merged pair by pair before the softmax. A method is that pair of
-position maps, a pure function of positions: the attention that applies it lives in :mod:`rope_patch.patching.attention`.
+position maps, a pure function of positions: the attention that applies it lives in ``rope_patch.patching.attention``.
 
 The far-band relative position far_q(i) − far_k(j) meets the near band at d = W for every method:
 

@@ -1,9 +1,9 @@
 """The frequency methods: pure functions of plain numbers returning ``(inv_freq, attention_factor)``, and their
 registry entries (parameters, checks, and how transformers spells each one in ``config.rope_parameters``).
 
-Every function takes the model's unscaled RoPE (:class:`~rope_patch.methods.registry.RopeBase`), the current sequence
+Every function takes the model's unscaled RoPE (``RopeBase``), the current sequence
 length (used only by dynamic methods) and its parameters; none imports transformers. Finding and swapping a model's
-rotary modules lives in :mod:`rope_patch.patching`.
+rotary modules lives in ``rope_patch.patching``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Patch a loaded model's RoPE in place, reversibly: the public verbs.
 
-:func:`patch` finds the rotary modules (:mod:`.rotary`), snapshots everything it will change, gives each module an
+``patch`` finds the rotary modules (``rotary``), snapshots everything it will change, gives each module an
 instance-level forward that writes the method's fp32 frequencies, rewrites the config to describe the patched model
-and record the patch (:mod:`.record`), and wraps ``model.generate`` (:mod:`.generation`) so a dynamic method sees
+and record the patch (``record``), and wraps ``model.generate`` (``generation``) so a dynamic method sees
 one fixed length for a whole call (the KV cache then holds keys rotated like every later query, see
-:func:`fixed_length`). Only the given model instance changes: no class is modified, other models in the process are
-untouched. :func:`unpatch` puts everything back exactly.
+``fixed_length``). Only the given model instance changes: no class is modified, other models in the process are
+untouched. ``unpatch`` puts everything back exactly.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def patch_state(model: nn.Module) -> PatchState | None:
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` changed; ``str(report)`` is a short human summary."""
+    """What ``patch`` changed; ``str(report)`` is a short human summary."""
 
     method: str
     params: dict[str, Any]
@@ -119,8 +119,8 @@ class PatchReport:
 
 
 def rotary_setup(model: nn.Module, module: nn.Module, layer_type: str | None, native_length: int | None = None):
-    """The unscaled RoPE (:class:`~rope_patch.methods.RopeBase`) of one rotary module's layer type. Its native length:
-    ``native_length``, else a declared one (:func:`set_native_length`), else the one the patch applied now was given,
+    """The unscaled RoPE (``RopeBase``) of one rotary module's layer type. Its native length:
+    ``native_length``, else a declared one (``set_native_length``), else the one the patch applied now was given,
     else what the config states (refused where it states none)."""
     state = patch_state(model)
     live = state.config_snapshots.get(id(module.config), (None, None))[1] if state is not None else None
@@ -150,7 +150,7 @@ def declared_native_length(model: nn.Module) -> int | None:
 
 def set_native_length(model: nn.Module, length: int | None) -> None:
     """Declare the model's native (pretraining) context length, for checkpoints whose config does not state it (an
-    already scaled RoPE without original_max_position_embeddings). Every later patch and :func:`native_length` use
+    already scaled RoPE without original_max_position_embeddings). Every later patch and ``native_length`` use
     it; None removes the declaration."""
     if length is None:
         model.__dict__.pop(NATIVE_ATTR, None)
@@ -205,7 +205,7 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     the global (``full_attention``) layers by default, ``"all"``, or a list. An attention method
     (``patch(model, "self_extend", group=4, window=1024)``) keeps the model's frequencies, whatever they are; a spec
     combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``. ``native_length``: the
-    pretraining context length, for checkpoints whose config does not state it (see :func:`set_native_length`).
+    pretraining context length, for checkpoints whose config does not state it (see ``set_native_length``).
     """
     frequency, attention = frequency_and_attention(method, params)
     modules = find_rotary_modules(model)

@@ -3,7 +3,7 @@ farther pairs score the query and key rotated at an attention method's remapped 
 by pair before one softmax. Queries go in tiles so that no L × L tensor exists: a fused kernel scores the keys every
 row of a tile sees in the far band (its log-sum-exp merged with the hand-scored band around the diagonal), or every
 tile is scored by hand where a mask, a softcap or irregular positions require it. Pure tensor maths: the surgery that
-feeds it is in :mod:`.attention`.
+feeds it is in ``attention``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ def two_band_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """Softmax attention where pairs at distance d = q_pos − k_pos < ``window`` score query·key and farther pairs
     score far_query·far_key. query/far_query [b, h, q, dim]; key/far_key/value [b, h, k, dim] (heads already repeated
     for GQA); q_pos [b, q], k_pos [b, k]; mask: None (causal by index: the last query sees every key), a
-    :class:`TiledMask`, or a tensor [b, 1, q, k], bool (True = attend) or additive. Returns [b, q, h, dim]
+    ``TiledMask``, or a tensor [b, 1, q, k], bool (True = attend) or additive. Returns [b, q, h, dim]
     (transformers' attention-function layout).
 
     Without a mask or a softcap, and with positions that grow by at least 1 per token (one unpadded sequence: every
     perplexity window, every passkey prompt, PoSE's skips), the keys every row of a query tile sees in the far band go
     through a fused attention kernel that returns its log-sum-exp, and only the band of W + tile keys around the
     diagonal is scored by hand; the two are merged by their log-sum-exps (a key W tokens back is then at least W
-    positions back: far). Else each tile is scored by hand over all its keys (:func:`exact_tile`)."""
+    positions back: far). Else each tile is scored by hand over all its keys (``exact_tile``)."""
     batch, heads, length, _ = query.shape
     keys = key.shape[2]
     fused = mask is None and softcap is None and bool((k_pos.diff(dim=-1) >= 1).all())
@@ -124,7 +124,7 @@ def attention_with_lse(query, key, value, scaling: float) -> tuple[torch.Tensor,
 
 
 def explicit_attention_with_lse(query, key, value, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same as :func:`attention_with_lse` with plain matmuls (other devices, and the tests' oracle of the kernels)."""
+    """The same as ``attention_with_lse`` with plain matmuls (other devices, and the tests' oracle of the kernels)."""
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]).to(value.dtype), value).float(), lse

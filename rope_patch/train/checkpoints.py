@@ -200,7 +200,7 @@ def disk_full(error: BaseException, folder: Path, needed: int) -> bool:
 def save_checkpoint(accelerator, output: Path, step: int, keep: int, key: dict[str, Any]) -> Path:
     """Weights, optimizer, scheduler, RNG of every process and the data position (accelerate's ``save_state``), into
     a temporary folder renamed to ``step-NNNNNN`` once complete; then the oldest of this run's checkpoints beyond
-    the newest ``keep`` are deleted (0: keep all). A full disk raises :class:`DiskFullError` and leaves nothing."""
+    the newest ``keep`` are deleted (0: keep all). A full disk raises ``DiskFullError`` and leaves nothing."""
     root, final = checkpoints_root(output), checkpoint_folder(output, step)
     temporary = root / f".tmp-step-{step:06d}"  # one name for every process: the output lock keeps runs apart
     own = [c for c in scan_checkpoints(output)[0] if c.key == as_json(key)] if accelerator.is_main_process else []
