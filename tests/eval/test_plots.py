@@ -75,3 +75,31 @@ def test_the_position_plot_is_drawn_against_the_best_method_only_when_there_are_
     assert position_reference(rows(few), 16384) is None
     many = few | {"rerope:window=2048": 5.40, "self_extend:window=2048": 5.33, "linear:factor=2": 20.1}
     assert position_reference(rows(many), 16384) == "self_extend:window=2048"
+
+
+def load_figures_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "make_doc_figures.py"
+    spec = importlib.util.spec_from_file_location("make_doc_figures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_figures_script_redraws_a_passkey_run_from_its_folder_with_one_setup(tmp_path):
+    import json
+
+    from rope_patch.eval.passkey_report import write_json
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir(), out.mkdir()
+    kept = [dict(r, setup={"dtype": "float32"}) for r in records({"yarn:factor=2": {8192: (1, 1), 16384: (0, 1)}})]
+    other = [dict(r, setup={"dtype": "bfloat16"}) for r in records({"none": {8192: (1, 1)}})]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept + kept + other))
+    write_json(kept, run / "summary.json", settings={"native_length": 8192})
+    script = load_figures_script()
+    assert [r["method"] for r in script.read_records(run)] == ["yarn:factor=2"] * 4
+    script.redraw(run, "passkey", out)
+    assert {"accuracy_vs_length.png", "heatmaps.png"} <= {p.name for p in out.iterdir()}
