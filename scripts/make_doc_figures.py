@@ -2,6 +2,7 @@
 
     python scripts/make_doc_figures.py                 # every figure whose run is under runs/
     python scripts/make_doc_figures.py --runs DIR demo # the demo page's figures from DIR/demo/...
+    python scripts/make_doc_figures.py recorded        # the demo page's figures of runs whose folders were not kept
 
 Each figure is redrawn from the run folder's ``results.jsonl`` (and ``summary.json``) by the same function the job
 calls when it writes its report, into a temporary folder, then copied to ``docs/``. A figure whose run is missing is
@@ -73,11 +74,41 @@ def redraw(folder: Path, kind: str, into: Path) -> None:
             shutil.copy(name, into / name.name) if name.suffix == ".png" else None
 
 
+# The demo page's runs whose folders were not kept: their figures redrawn, with the same report code, from the results
+# the page records in full (each passkey answer of the full grid; the fp32 minimal grid's perplexities, one document,
+# so no interval). ``python scripts/make_doc_figures.py recorded``.
+FULL_GRID_FOUND = {("none", 8192): (0.25, 0.75), ("none", 16384): (), ("linear:factor=2", 8192): (),
+                   ("linear:factor=2", 16384): (), ("ntk:factor=2", 8192): (0.25, 0.75), ("ntk:factor=2", 16384): (),
+                   ("yarn:factor=2", 8192): (0.25, 0.75), ("yarn:factor=2", 16384): (0.25,)}
+MINIMAL_FP32 = {"none": (5.59, 5.32, 9.19), "linear:factor=2": (20.45, 19.29, 17.95),
+                "ntk:factor=2": (5.77, 5.49, 4.81), "yarn:factor=2": (5.76, 5.49, 4.77)}
+
+
+def recorded() -> None:
+    from rope_patch.eval import passkey_report, perplexity_report
+
+    records = [{"method": m, "length": n, "depth": d, "trial": 0, "correct": d in found}
+               for (m, n), found in FULL_GRID_FOUND.items() for d in (0.25, 0.75)]
+    with tempfile.TemporaryDirectory() as tmp:
+        passkey_report.write_reports(records, tmp, settings={}, native_length=8192)
+        shutil.copy(Path(tmp) / "accuracy_vs_length.png", ROOT / "docs" / "demo_passkey.png")
+        shutil.copy(Path(tmp) / "heatmaps.png", ROOT / "docs" / "demo_passkey_heatmaps.png")
+    rows = [{"method": m, "length": n, "perplexity": p, "ci_low": p, "ci_high": p, "documents": 1, "status": "ok"}
+            for m, values in MINIMAL_FP32.items() for n, p in zip((4096, 8192, 14336), values)]
+    perplexity_report.plot_perplexity(rows, ROOT / "docs" / "demo_perplexity.png", native_length=8192,
+                                      title="SmolLM2-135M-Instruct (embedded default) on datetime.py, fp32, truncate, "
+                                            "no BOS\nthe demo's minimal grid (docs/demo.md)")
+    print("recorded: docs/demo_passkey.png, docs/demo_passkey_heatmaps.png, docs/demo_perplexity.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pages", nargs="*", help=f"pages whose figures to redraw: {', '.join(FIGURES)} (default: all)")
     parser.add_argument("--runs", default="runs", help="the folder the runs wrote into (default: runs)")
     args = parser.parse_args(argv)
+    if args.pages == ["recorded"]:
+        recorded()
+        return 0
     unknown = sorted(set(args.pages) - set(FIGURES))
     if unknown:
         parser.error(f"no figures for {', '.join(unknown)}; pages: {', '.join(FIGURES)}")

@@ -81,7 +81,10 @@ def log_value_axis(ax, values: Sequence[float]) -> None:
         return
     low, high = min(finite), max(finite)
     if high / low <= 8:
-        ticks = [t for t in MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high) if t > 0]
+        candidates = [t for t in MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high) if t > 0]
+        ticks = [t for t in candidates if low / 1.03 <= t <= high * 1.03]
+        if len(ticks) < 2:  # a range narrower than one step: the neighbouring ticks outside it too
+            ticks = [t for t in candidates if t < low][-1:] + ticks + [t for t in candidates if t > high][:1]
         ax.yaxis.set_major_locator(FixedLocator(ticks))
         margin = (high / low) ** 0.08 if high > low else 1.02
         ax.set_ylim(min(low, ticks[0]) / margin, max(high, ticks[-1]) * margin)
