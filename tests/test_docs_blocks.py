@@ -1,8 +1,8 @@
 """Every ``bash`` and ``python`` block of the README and of docs/*.md runs, as written, on a tiny model.
 
 The blocks are written for users: the embedded SmolLM2-135M, lengths up to 16k and more. The test points
-``ROPE_PATCH_CACHE`` at a folder whose "embedded model" is a tiny random LLaMA (2 layers, head dim 16, the same native
-length of 8,192 and RoPE base as SmolLM2) with a character tokenizer, so the same commands run in seconds: the
+``ROPE_PATCH_CACHE`` at a folder whose "embedded model" is a tiny random LLaMA (2 layers, 2 heads of SmolLM2's head dim
+64, so searched LongRoPE factors fit it, and its native length of 8,192 and RoPE base) with a character tokenizer, so the same commands run in seconds: the
 package is not told it is under test, the block's text is not changed, and every flag, file, folder and
 Python call in it is exercised by the real code.
 
@@ -104,11 +104,12 @@ def shell_lines(text: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
-    """A rope_patch cache whose embedded default model is a tiny random LLaMA with SmolLM2's native length and base."""
+    """A rope_patch cache whose embedded default model is a tiny random LLaMA with SmolLM2's head dim, native length
+    and base."""
     cache = tmp_path_factory.mktemp("docs-cache")
     folder = cache / "models" / DEFAULT_MODEL_NAME
-    config = tiny_llama_config(max_position_embeddings=8192, rope_parameters={"rope_type": "default",
-                                                                               "rope_theta": 100000.0})
+    config = tiny_llama_config(max_position_embeddings=8192, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+                               rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
     model = build_model(config)
     model.config._attn_implementation = "sdpa"
     model.save_pretrained(folder)
