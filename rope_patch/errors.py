@@ -1,7 +1,7 @@
 """One error family for everything a user can get wrong.
 
 Every problem a user can cause (a typo in a method name, a non-positive factor, a model path that does
-not exist, a data set with no document long enough) raises a subclass of :class:`RopePatchError`, which is
+not exist, a data set with no document long enough) raises a subclass of ``RopePatchError``, which is
 a ``ValueError``. The command line prints its message on one line and exits with status 2.
 """
 

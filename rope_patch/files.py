@@ -1,16 +1,16 @@
 """Writing results so that a crash, a full disk or a second process on the folder never leaves a half file or mixes
 two runs.
 
-- :func:`atomic_write`: a whole file (summary, table, plot) goes to a temporary file in the same folder, is synced,
+- ``atomic_write``: a whole file (summary, table, plot) goes to a temporary file in the same folder, is synced,
   then renamed over the old one: readers see the old file or the new one, never half of one.
-- :func:`disk_full_error`: ENOSPC, EDQUOT and EFBIG become one :class:`~rope_patch.errors.DiskFullError` line naming
-  the folder, the bytes needed and the bytes free; :func:`write_error` does the same for what safetensors and torch
+- ``disk_full_error``: ENOSPC, EDQUOT and EFBIG become one ``DiskFullError`` line naming
+  the folder, the bytes needed and the bytes free; ``write_error`` does the same for what safetensors and torch
   raise (their own error types, with the system's error number in the message), and names any other failed write.
-- :func:`exchange_folders`: two folders swapped in one step (Linux ``renameat2(RENAME_EXCHANGE)``), so a path that
+- ``exchange_folders``: two folders swapped in one step (Linux ``renameat2(RENAME_EXCHANGE)``), so a path that
   held the old version holds the new one, with no moment in between when it holds nothing.
-- :func:`readable_files`: the mode ``save_pretrained`` gives (0666 less the umask, usually 0644) to files that a
+- ``readable_files``: the mode ``save_pretrained`` gives (0666 less the umask, usually 0644) to files that a
   writer made private (safetensors writes 0600), so that a serving engine running as another user can read them.
-- :class:`FolderLock`: ``fcntl.flock`` on ``FOLDER/.rope-patch.lock``, held by the writing process for its whole run.
+- ``FolderLock``: ``fcntl.flock`` on ``FOLDER/.rope-patch.lock``, held by the writing process for its whole run.
   The kernel drops it when the process dies (``kill -9`` included), so it is never stale. A second writer waits its
   turn (saying who holds the folder), then skips what the first finished. Readers take no lock.
 """
@@ -97,8 +97,8 @@ def write_problem(error: BaseException, path: str | os.PathLike,
 
 
 def write_error(error: BaseException, path: str | os.PathLike, needed: int) -> RopePatchError | None:
-    """The one-line error for a failed write of ``path`` (see :func:`write_error_number`): a full disk as
-    :func:`disk_full_error` words it, any other system error (a read-only file system, no permission) naming the
+    """The one-line error for a failed write of ``path`` (see ``write_error_number``): a full disk as
+    ``disk_full_error`` words it, any other system error (a read-only file system, no permission) naming the
     path; None for an error that is not a failed write."""
     number = write_error_number(error, path, needed)
     if number is None:

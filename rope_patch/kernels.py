@@ -6,12 +6,12 @@ MFU 0.52 with cuDNN SDPA, 0.616 with Liger's RMSNorm/SwiGLU/RoPE added).
 
 Liger's ``apply_liger_kernel_to_<family>(model=...)`` patches the given instance *and* module-level names of
 transformers (``modeling_llama.LlamaRMSNorm``, ``modeling_llama.apply_rotary_pos_emb``) that every model of that
-family in the process shares. :func:`apply_kernels` runs it, records what changed on the instance, and puts every
+family in the process shares. ``apply_kernels`` runs it, records what changed on the instance, and puts every
 module-level name back at once, so other models are untouched. The RoPE kernel is a module-level function that
 attention forwards look up by name; it is brought back for this model only: each of its attention modules gets an
 instance-level forward that swaps the name in for the duration of its own call (the recomputation of gradient
 checkpointing included). The kernel applies the ``cos``/``sin`` that the rotary module produces, so a rope_patch
-patch (which rewrites the rotary module's frequencies) is kept. :func:`remove_kernels` restores the instance exactly.
+patch (which rewrites the rotary module's frequencies) is kept. ``remove_kernels`` restores the instance exactly.
 
 Without a GPU, Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before liger-kernel is imported) runs
 the kernels on CPU tensors, slowly: for checking, not for speed. There the RoPE kernel and the fused linear
@@ -135,7 +135,7 @@ def kernels_state(model: nn.Module) -> KernelState | None:
 
 
 def apply_kernels(model: nn.Module, name: str | None) -> KernelState | None:
-    """Give this model instance the fused kernels ``name`` (None/"none": nothing); undo with :func:`remove_kernels`."""
+    """Give this model instance the fused kernels ``name`` (None/"none": nothing); undo with ``remove_kernels``."""
     if kernel_choice(name) is None:
         return None
     check_kernels_available(name)
@@ -194,7 +194,7 @@ def _instance_changes(before: dict[int, tuple[nn.Module, dict[str, Any]]]) -> li
 
 
 def remove_kernels(model: nn.Module) -> bool:
-    """Put back exactly what :func:`apply_kernels` changed on the model; False if it had no kernels."""
+    """Put back exactly what ``apply_kernels`` changed on the model; False if it had no kernels."""
     state = kernels_state(model)
     if state is None:
         return False
@@ -298,7 +298,7 @@ def preferred_attention() -> Iterator[None]:
 
 def liger_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Σ over tokens of ``cross_entropy(hidden @ weight^T, targets)`` with Liger's fused linear cross-entropy (the
-    ``head_loss`` of :func:`rope_patch.loss.causal_lm_loss`): ``hidden`` (N, H), ``weight`` (V, H), ``targets`` (N,)
+    ``head_loss`` of ``rope_patch.loss.causal_lm_loss``): ``hidden`` (N, H), ``weight`` (V, H), ``targets`` (N,)
     with -100 not scored. The (N, V) logits never exist: the kernel computes them in chunks and writes the gradients
     of ``hidden`` and ``weight`` during the forward pass."""
     functional = importlib.import_module("liger_kernel.transformers.functional")

@@ -4,7 +4,7 @@ The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF file inside the P
 (installed with ``--no-deps``: its own dependencies serve another tool). The first load dequantizes it through
 transformers' GGUF reader and caches a plain safetensors checkpoint, so later loads take a second and the model can
 be saved and fine-tuned like any other. Every load re-applies a scaling that a rope_patch checkpoint records, exactly
-once (:func:`from_pretrained`).
+once (``from_pretrained``).
 """
 
 from __future__ import annotations
@@ -190,9 +190,9 @@ def from_pretrained(name_or_path: str | os.PathLike, *, native_length: int | Non
 
     For methods transformers knows (linear, dynamic NTK, YaRN, Llama 3, LongRoPE, NTK as a new base), the plain
     transformers load is already right; this one additionally restores methods it does not know (dynamic YaRN,
-    attention methods, user-registered methods) and makes :func:`rope_patch.unpatch` return the original pretrained
+    attention methods, user-registered methods) and makes ``rope_patch.unpatch`` return the original pretrained
     model. A LoRA adapter folder written by ``rope-patch finetune --save-adapter`` is loaded onto its base model and
-    merged. ``native_length``: declared on the model (:func:`rope_patch.set_native_length`) before anything is
+    merged. ``native_length``: declared on the model (``rope_patch.set_native_length``) before anything is
     re-applied, for a checkpoint whose config does not state it.
     """
     if (Path(name_or_path) / "adapter_config.json").is_file():
@@ -234,9 +234,9 @@ def load_model(
 ):
     """Load ``(model, tokenizer)`` from a hub id or folder, or the embedded default when ``None``.
 
-    A checkpoint saved by rope_patch gets its scaling re-applied exactly once (see :func:`from_pretrained`).
+    A checkpoint saved by rope_patch gets its scaling re-applied exactly once (see ``from_pretrained``).
     ``device_map`` (and ``offload_folder``): accelerate's big-model dispatch, as ``from_pretrained`` takes them
-    (see :func:`parse_device_map`); the layers then stay where the map puts them (``device`` is not used).
+    (see ``parse_device_map``); the layers then stay where the map puts them (``device`` is not used).
     ``tp_plan="auto"``: transformers' tensor parallelism over the processes torchrun (or accelerate launch) started.
     ``progress=False``: no progress bar while loading (transformers' "Loading weights", the hub's downloads).
     """
@@ -270,7 +270,7 @@ def load_model(
 
 
 def _placed(path: str | os.PathLike, device_map: DeviceMap | None, kwargs: dict[str, Any]) -> torch.nn.Module:
-    """:func:`from_pretrained`, with a device map transformers or accelerate cannot follow refused in one line."""
+    """``from_pretrained``, with a device map transformers or accelerate cannot follow refused in one line."""
     try:
         return from_pretrained(path, **kwargs)
     except (ValueError, KeyError, RuntimeError) as error:  # an unknown device, a map naming no module, ...

@@ -50,7 +50,7 @@ def logit_scale(model: nn.Module) -> float:
 @dataclass(frozen=True)
 class OutputHead:
     """What turns a final hidden state h into logits: ``z = scale · (W h + b)``, then ``c · tanh(z / c)`` with a
-    soft-cap c. Read from the model once (:meth:`of`), used in chunks by :func:`token_nll` and :func:`head_nll_sum`."""
+    soft-cap c. Read from the model once (``of``), used in chunks by ``token_nll`` and ``head_nll_sum``."""
 
     weight: torch.Tensor  # (V, H)
     bias: torch.Tensor | None = None  # (V,)
@@ -197,7 +197,7 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, *, targets: torch.
     """Summed next-token NLL and the number of scored tokens: ``(Σ NLL (float32 scalar, differentiable), count)``.
 
     ``targets`` (B, L) are already shifted: ``targets[b, t]`` is the token that position t predicts, -100 where
-    nothing is scored (default: :func:`shift_targets` of ``input_ids``). ``model(input_ids, labels=x).loss`` equals
+    nothing is scored (default: ``shift_targets`` of ``input_ids``). ``model(input_ids, labels=x).loss`` equals
     ``Σ / count`` with ``targets = shift_targets(x)``. Since targets and ``position_ids`` come in already aligned,
     a sequence shard (context parallelism) can be scored as it is.
 

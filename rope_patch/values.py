@@ -15,7 +15,7 @@ BOOL_HINT = "give true or false (also yes/no, on/off, 1/0)"
 
 
 def parse_bool(value: Any) -> bool:
-    """``True``/``False``, or one of :data:`TRUE`/:data:`FALSE` in any case (the integers 1 and 0 read as text)."""
+    """``True``/``False``, or one of ``TRUE``/``FALSE`` in any case (the integers 1 and 0 read as text)."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower() if isinstance(value, (str, numbers.Integral)) else None

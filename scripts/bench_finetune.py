@@ -5,10 +5,10 @@ Variants, each a full optimizer step (forward, backward, AdamW step) on one sequ
 
 * ``plain``: what users write: ``model(input_ids=x, labels=x).loss.backward()`` (full-vocabulary logits, their fp32
   copy and their gradient), with peft's LoRA and transformers' gradient checkpointing;
-* ``ours``: rope_patch's training step: :func:`rope_patch.train.lora.add_lora`, non-reentrant activation
-  checkpointing, and the loss of ``rope-patch finetune``'s loop, :func:`rope_patch.train.loop.micro_batch_loss`
-  (:func:`rope_patch.loss.causal_lm_loss`: the output head in token chunks, recomputed in the backward pass, so no
-  full-vocabulary logits exist), under cuDNN-first SDPA (:func:`rope_patch.kernels.preferred_attention`);
+* ``ours``: rope_patch's training step: ``rope_patch.train.lora.add_lora``, non-reentrant activation
+  checkpointing, and the loss of ``rope-patch finetune``'s loop, ``rope_patch.train.loop.micro_batch_loss``
+  (``rope_patch.loss.causal_lm_loss``: the output head in token chunks, recomputed in the backward pass, so no
+  full-vocabulary logits exist), under cuDNN-first SDPA (``rope_patch.kernels.preferred_attention``);
 * ``ours+liger``: the same with ``--kernels liger`` (Liger's RMSNorm, SwiGLU, RoPE application, and its fused linear
   cross-entropy as the head loss). CUDA only.
 

@@ -6,7 +6,7 @@ The shape of issue 10: a tiny LLaMA body (2 layers, hidden 64) with the default 
 process, so its peak resident memory (``ru_maxrss``) is its own:
 
 * ``plain``: what users write: ``model(input_ids=x, labels=x).loss.backward()``, then an optimizer step;
-* ``plain + chunked loss``: the same loop with :func:`rope_patch.loss.causal_lm_loss` instead;
+* ``plain + chunked loss``: the same loop with ``rope_patch.loss.causal_lm_loss`` instead;
 * ``rope-patch finetune``: the whole job (``rope_patch.finetune``, what the command runs) on the embedded corpus.
 
     flock /tmp/rope_patch_heavy.lock python scripts/bench_finetune_memory.py

@@ -26,7 +26,7 @@ from rope_patch.loading import default_attention, load_model
 
 def timed(model, document, method: str, lengths: list[int]) -> dict:
     """Wall seconds and CPU seconds (of this process: steadier than wall time on a shared machine) of one
-    :func:`evaluate` call, and the perplexity at each length."""
+    ``evaluate`` call, and the perplexity at each length."""
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     start, cpu = time.perf_counter(), time.process_time()

@@ -1,6 +1,6 @@
 """The ``rope-patch`` command: one verb per job, its options generated from the job's config dataclass.
 
-Bad input raises :class:`rope_patch.errors.RopePatchError`; it is printed on one line and the command exits with
+Bad input raises ``rope_patch.errors.RopePatchError``; it is printed on one line and the command exits with
 status 2, never with a traceback. A command-line mistake argparse finds (an unknown option, a bad choice) is one line,
 with a "did you mean" where an option is close, then the verb's usage line.
 

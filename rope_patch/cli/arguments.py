@@ -1,7 +1,7 @@
 """A job's config dataclass as an argparse sub-parser: one flag per field, with the field's help and default.
 
 Flags are read as plain strings and handed to the config, which parses them exactly as it parses YAML and Python
-values (:mod:`rope_patch.jobs.options`). A flag that is not given is left out (``argparse.SUPPRESS``), so a YAML
+values (``rope_patch.jobs.options``). A flag that is not given is left out (``argparse.SUPPRESS``), so a YAML
 ``--config`` file fills the gaps and the dataclass supplies the rest. A field's earlier names (``aliases``) are
 hidden flags of their own; the config reads them as the field, with a warning.
 """

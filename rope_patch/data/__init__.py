@@ -1,6 +1,6 @@
-"""Data: documents from the embedded corpus, local files or hub data sets (:mod:`.documents`), their tokens cached
-on disk (:mod:`.tokens`), training sequences packed from them (:mod:`.packing`) and PoSE's position ids
-(:mod:`.pose`)."""
+"""Data: documents from the embedded corpus, local files or hub data sets (``documents``), their tokens cached
+on disk (``tokens``), training sequences packed from them (``packing``) and PoSE's position ids
+(``pose``)."""
 
 from .documents import DEFAULT_CORPUS, Document, documents_fingerprint, load_documents, stdlib_corpus
 from .packing import PackedSequences

@@ -8,7 +8,7 @@ Sources, all read through ``datasets``:
   folder of such files (searched recursively, in sorted order);
 * a hub data set name, with ``split``, ``text_field`` and an optional ``subset`` (configuration name).
 
-Their token ids, cached on disk, are :mod:`rope_patch.data.tokens`.
+Their token ids, cached on disk, are ``rope_patch.data.tokens``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def load_documents(
     """Load documents from the default corpus, a local file or folder, or a hub data set.
 
     ``split`` applies to hub data sets (default ``"test"``); local files have a single split. Empty texts are dropped.
-    Raises :class:`DataError` for a missing file, an unknown data set, a missing text field or an empty corpus.
+    Raises ``DataError`` for a missing file, an unknown data set, a missing text field or an empty corpus.
     """
     if source in (None, "", DEFAULT_CORPUS, "default"):
         return stdlib_corpus()

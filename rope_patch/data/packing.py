@@ -49,7 +49,7 @@ class PackedSequences:
     def from_source(cls, source: str | os.PathLike | None, tokenizer, *, seq_len: int, seed: int = 0,
                     num_documents: int | None = None, exclude: Sequence[str] = (), split: str | None = None,
                     text_field: str = "text", subset: str | None = None) -> PackedSequences:
-        """Documents from the evaluation's sources (:func:`rope_patch.data.documents.load_documents`), tokenised with cache.
+        """Documents from the evaluation's sources (``rope_patch.data.documents.load_documents``), tokenised with cache.
 
         ``exclude`` names documents (by id) kept out of training, e.g. the ones a later evaluation scores.
         """

@@ -4,7 +4,7 @@ sequences of L_c < L_t tokens, by giving their chunks position ids with random i
 Attention still costs L_c tokens, but the relative distances the model sees reach up to L_t − 1. The skips of a
 sequence come from a generator seeded by (seed, run position of the sequence): the run position is a function of
 (step, micro-step, process, row) that does not depend on how the global batch is split
-(:meth:`~rope_patch.data.PackedSequences.positions`), so a resumed run, or one on more processes, draws the same ids.
+(``positions``), so a resumed run, or one on more processes, draws the same ids.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Token ids of documents, cached on disk; the BOS choice; and the choice of documents long enough to score.
 
 Tokens are stored without special tokens; whether a BOS token starts each window is the caller's explicit choice
-(see :func:`resolve_bos`). Tokenised corpora are cached under ``cache_dir()/tokens``, keyed by a fingerprint of the
+(see ``resolve_bos``). Tokenised corpora are cached under ``cache_dir()/tokens``, keyed by a fingerprint of the
 tokenizer and of the texts themselves, so a second run (or a second method) never tokenises again.
 """
 
@@ -95,7 +95,7 @@ def select_documents(
     """Documents with at least ``min_tokens`` tokens (``count`` of them sampled with ``seed``, in corpus order).
 
     Returns ``(chosen, skipped)`` where ``skipped`` counts the documents that were too short. Raises
-    :class:`DataError` when none is long enough, naming the longest one.
+    ``DataError`` when none is long enough, naming the longest one.
     """
     long_enough = [d for d in documents if len(d) >= min_tokens]
     if not long_enough:

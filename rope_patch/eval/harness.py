@@ -2,10 +2,10 @@
 
 lm-eval scores a model object as readily as a checkpoint (``HFLM(pretrained=model)``), so a method that no config can
 express (dynamic scaling, a method registered by the user) is evaluated as it runs, with nothing saved. Each method is
-patched in once (:mod:`.sweep`); per task the patched model is wrapped in ``HFLM`` and handed to ``simple_evaluate``.
+patched in once (``sweep``); per task the patched model is wrapped in ``HFLM`` and handed to ``simple_evaluate``.
 Each run writes lm-eval's own results file, ``OUTPUT/<method>/<model>/results_<date>.json``: the file ``lm_eval
 --output_path OUTPUT/<method>`` writes, so lm-eval's tooling reads it. One record per finished (method, task, length)
-goes to a :class:`~.store.ResultStore`, so a rerun skips it.
+goes to a ``ResultStore``, so a rerun skips it.
 
 Lengths. RULER-style tasks generate their own data at the lengths of ``metadata["max_seq_lengths"]``. A list of
 lengths is split here into one lm-eval run per length, with ``max_length`` = that length unless one is given. So
@@ -13,7 +13,7 @@ lengths is split here into one lm-eval run per length, with ``max_length`` = tha
 first length), no prompt is cut to the model's configured length, and a finished length is never run again.
 
 Generation. lm-eval calls ``generate`` on the model instance (``HFLM._model_generate``); a patched model's ``generate``
-keeps one length for the whole call (:func:`rope_patch.patching.fixed_length`), so under a dynamic method the KV cache
+keeps one length for the whole call (``rope_patch.patching.fixed_length``), so under a dynamic method the KV cache
 agrees with a full recompute. Log-likelihood requests are plain forwards, where a dynamic method follows the padded
 length of the batch: with ``batch_size`` 1, each document is scored at its own length.
 """
@@ -234,12 +234,12 @@ def evaluate_harness(
 
     A record holds lm-eval's ``results`` (and ``groups``) for the run, its ``n-samples``, the window it ran at
     (``max_length``), the results file and the time taken. Without ``max_length`` a run of a length sweep uses its
-    length, any other run :func:`sweep_window`. Runs already in ``store`` under the same key (method, task, length,
+    length, any other run ``sweep_window``. Runs already in ``store`` under the same key (method, task, length,
     the run's settings, the ``setup`` given, and the model's fingerprint, dtype and attention implementation:
-    :class:`~.sweep.Sweep`) are skipped; new ones are appended the moment they finish. ``metadata`` goes to every task
+    ``Sweep``) are skipped; new ones are appended the moment they finish. ``metadata`` goes to every task
     (RULER: ``{"max_seq_lengths": [4096, 8192]}``, split into one run per length); RULER's tokenizer is the model's
     own, saved for it, unless ``metadata`` names one. ``engine`` scores each method (default: the patched model through
-    lm-eval's HFLM, :mod:`.harness_engines`); its name is part of the key.
+    lm-eval's HFLM, ``harness_engines``); its name is part of the key.
     """
     require_lm_eval()
     engine = engine or HfEngine(model, tokenizer)

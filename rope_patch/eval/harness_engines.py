@@ -1,10 +1,10 @@
 """The engine lm-eval scores a patched model with: ``hf`` (the patched model object itself, through lm-eval's HFLM) or
 ``vllm`` (lm-eval's ``vllm`` model on the model's folder, the method handed to vLLM as ``hf_overrides``).
 
-Each engine serves one method at a time (:meth:`serving`, entered with the method patched in) and hands out lm-eval
+Each engine serves one method at a time (``serving``, entered with the method patched in) and hands out lm-eval
 model objects per window. vLLM computes RoPE with caches and kernels of its own, so before any score the vLLM engine
 compares its per-token log-probabilities on a probe with the patched transformers model's, and refuses the method
-with the figure where they differ (:mod:`.vllm_engine`): its scores would not be the method's.
+with the figure where they differ (``vllm_engine``): its scores would not be the method's.
 """
 
 from __future__ import annotations

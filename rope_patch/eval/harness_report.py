@@ -1,6 +1,6 @@
 """lm-eval reports: one row per method × task × metric (× length), as a terminal table, CSV, JSON and a plot.
 
-:func:`summarize` reads lm-eval's own results out of the records of :mod:`rope_patch.eval.harness`; everything else
+``summarize`` reads lm-eval's own results out of the records of ``rope_patch.eval.harness``; everything else
 formats or draws those rows. A metric named by a number is a length (RULER scores each length under its own metric,
 ``"4096"``): its row gets that length and the metric name ``score``, and the ``-1`` RULER reports for lengths it did not
 run is left out. A run of a length sweep gives its rows the run's length.
@@ -63,7 +63,7 @@ def add_difference_to_reference(rows: Sequence[dict], native_length: int | None)
 
 
 def short_cost_table(rows: Sequence[Mapping[str, Any]], native_length: int | None) -> str:
-    """The score difference to none at lengths up to native (rows of :func:`add_difference_to_reference`), or one
+    """The score difference to none at lengths up to native (rows of ``add_difference_to_reference``), or one
     line saying why there is none; empty when no row is that short."""
     short = [r for r in rows if native_length is not None
              and (r["length"] if r["length"] is not None else r["max_length"] or native_length + 1) <= native_length]

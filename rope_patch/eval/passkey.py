@@ -7,8 +7,8 @@ every prompt hits its length exactly: the filler is a token stream of whole repe
 cell (length, depth, trial) comes from the seed alone, so every method sees the same prompts. Decoding is
 greedy whatever the model's generation config says, and the answer is the first integer of the output.
 
-Each finished trial is appended at once to a :class:`~rope_patch.eval.store.ResultStore`, so an interrupted
-run resumes where it stopped. Reports (tables, CSV, JSON, plots) live in :mod:`rope_patch.eval.passkey_report`.
+Each finished trial is appended at once to a ``ResultStore``, so an interrupted
+run resumes where it stopped. Reports (tables, CSV, JSON, plots) live in ``rope_patch.eval.passkey_report``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class PromptBuilder:
     TAIL of a stream of whole filler repeats, so it ends on a full sentence before the needle and the question;
     only its first sentence may be cut. ``depth`` is the share of the filler placed before the needle. A BOS
     starts the prompt when the tokenizer adds one by default (Llama 2: yes, SmolLM2: no), as the perplexity
-    evaluation decides it (:func:`rope_patch.data.resolve_bos`).
+    evaluation decides it (``rope_patch.data.resolve_bos``).
     """
 
     def __init__(self, tokenizer):
@@ -174,7 +174,7 @@ def evaluate_passkey(
     Each method is patched in once and removed afterwards, so the model is loaded once (``as-loaded``: the model as
     it is, a fine-tuned checkpoint's own scaling included). Trials already in ``store`` under the same key (method,
     cell, seed, ``max_new_tokens``, the ``setup`` given, and the model's fingerprint, dtype and attention
-    implementation: :class:`~.sweep.Sweep`) are skipped; new ones are appended the moment they finish. A record holds
+    implementation: ``Sweep``) are skipped; new ones are appended the moment they finish. A record holds
     the key, the decoded output, the parsed answer and ``correct``.
     """
     check_grid(lengths, depths, trials, max_new_tokens)

@@ -1,7 +1,7 @@
 """Passkey reports: accuracy per method × length (× depth) as a terminal table, CSV, JSON and plots.
 
-Pure aggregation (:func:`summarize`, :func:`pooled`) is kept apart from writing files, so the terminal, the
-files and the plots show the same numbers. File and figure plumbing is shared with the other reports (:mod:`rope_patch.eval.plots`).
+Pure aggregation (``summarize``, ``pooled``) is kept apart from writing files, so the terminal, the
+files and the plots show the same numbers. File and figure plumbing is shared with the other reports (``rope_patch.eval.plots``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
-from .plots import file_stem, length_axis, new_figure, save_figure, write_csv
+from .plots import file_stem, length_axis, new_figure, save_figure, series_style, write_csv
 
 CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy", "difference_to_none")
 REFERENCE = "none"  # the short-context cost is the accuracy difference to this method on the same prompts
@@ -157,15 +157,27 @@ def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[s
 
 
 def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native_length: int | None = None) -> Path:
-    """Accuracy (pooled over depths) against length, one line per method; markers shrink method by method so
-    methods with equal accuracy stay visible on top of each other."""
+    """Accuracy (pooled over depths) against length, one series per method, each point labelled with its
+    found/trials. Methods sit side by side around each length (a small offset along the log axis), so equal
+    accuracies never hide one another; a line joins a method's points only when it has three or more lengths (two
+    points of a coarse grid are not a curve)."""
     fig, (ax,) = new_figure(6.5, 4)
-    for i, (method, row) in enumerate(pooled(records, "length").items()):
-        ax.plot(list(row), [c / t for c, t in row.values()], marker="osD^vP*X"[i % 8], fillstyle="none",
-                markersize=max(4, 13 - 2.5 * i), markeredgewidth=1.5, linewidth=1.2, label=method)
+    table = pooled(records, "length")
+    spread = 0.06  # log2 units between neighbouring methods at one length
+    for i, (method, row) in enumerate(table.items()):
+        shift = 2 ** (spread * (i - (len(table) - 1) / 2))
+        x = [length * shift for length in row]
+        y = [c / t for c, t in row.values()]
+        style = series_style(i)
+        if len(row) < 3:
+            style["linestyle"] = "none"
+        ax.plot(x, y, fillstyle="none", markersize=7, markeredgewidth=1.5, linewidth=1.2, label=method, **style)
+        for xi, yi, (c, t) in zip(x, y, row.values()):
+            ax.annotate(f"{c}/{t}", (xi, yi), textcoords="offset points", xytext=(0, 7 if i % 2 == 0 else -12),
+                        ha="center", fontsize=7)
     length_axis(ax, [r["length"] for r in records], native_length=native_length, label="prompt length (tokens)")
-    ax.set_ylabel("passkey accuracy")
-    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylabel("passkey accuracy (found/trials at each point)")
+    ax.set_ylim(-0.12, 1.12)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)

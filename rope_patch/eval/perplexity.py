@@ -1,7 +1,7 @@
 """Long-context perplexity: many methods × many lengths on one loaded model, every method on the same windows.
 
-The windows come from a protocol (:mod:`.windows`: ``truncate``, ``sliding``, ``disjoint``, BOS explicit) and each
-window's per-token loss from :mod:`.window_loss`. Under ``truncate`` a causal model's loss on the first L tokens is the
+The windows come from a protocol (``windows``: ``truncate``, ``sliding``, ``disjoint``, BOS explicit) and each
+window's per-token loss from ``window_loss``. Under ``truncate`` a causal model's loss on the first L tokens is the
 same in any longer forward as long as the method's positions do not follow the sequence length, so for every method
 but the dynamic ones (and longrope, whose factors switch at the native length) one forward per document at the longest
 length gives every shorter length of the sweep (a *shared forward*; each record's ``forward_length`` says which forward
@@ -72,7 +72,7 @@ class _LengthFailed(RuntimeError):
 
 @dataclass
 class _Sweep:
-    """The state of one :func:`evaluate` call: what to score, and the keyed sweep that knows what is finished."""
+    """The state of one ``evaluate`` call: what to score, and the keyed sweep that knows what is finished."""
 
     model: nn.Module
     documents: Sequence[TokenizedDocument]
@@ -265,11 +265,11 @@ def evaluate(
 
     One record per (method, length, document): summed NLL, scored tokens, windows and the loss summed by position
     bin. Each method is patched in once and removed afterwards. Records already in ``store`` under the same key (the
-    ``setup`` given, plus the model's fingerprint, dtype and attention implementation: :class:`~.sweep.Sweep`) are
+    ``setup`` given, plus the model's fingerprint, dtype and attention implementation: ``Sweep``) are
     reused, new ones appended the moment a document is finished. With an ``accelerator`` of several processes the
     windows are dealt round-robin and gathered, and sums are taken in window order on the main process. Out of memory
     halves the batch and retries the unfinished documents; at one window per forward it is reported for that length
-    and the run goes on. ``shards`` (:func:`~.sequence_parallel.sequence_shards`): each window split over a sequence
+    and the run goes on. ``shards`` (``sequence_shards``): each window split over a sequence
     group of processes.
     """
     protocol.check(lengths)

@@ -1,6 +1,6 @@
 """Perplexity reports: the methods × lengths table, summary.csv / summary.json, and two plots.
 
-:func:`summarize` turns per-document records (see :mod:`rope_patch.eval.perplexity`) into one row per method × length,
+``summarize`` turns per-document records (see ``rope_patch.eval.perplexity``) into one row per method × length,
 token-weighted with a bootstrap interval over documents, and at lengths up to the native one the *short-context cost*:
 the perplexity ratio to the unpatched model ("none") on the same documents, with a paired bootstrap interval;
 everything else only formats or draws those rows, so the terminal, the files and the plots always show the same numbers.
@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ..errors import DataError
 from .perplexity import EvalFailure
 from .windows import bootstrap_interval, describe_protocol, perplexity
 from ..files import atomic_write
-from .plots import length_axis, new_figure, save_figure, write_csv
+from .plots import length_axis, log_value_axis, new_figure, save_figure, series_style, write_csv
 from .sweep import MethodEntry
 
 SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
@@ -173,20 +172,24 @@ def position_loss(records: Sequence[Mapping[str, Any]], method: str, length: int
 
 def plot_perplexity(rows: Sequence[Mapping[str, Any]], path: str | Path, *, native_length: int | None = None,
                     title: str = "") -> Path:
-    """Perplexity against length (log-scaled axes), one line per method with its 95 % band, native length marked."""
+    """Perplexity against length (log-scaled axes, labelled ticks among the data), one line per method with its 95 %
+    band (drawn where there is more than one document), native length marked."""
     fig, (ax,) = new_figure()
-    for method in dict.fromkeys(r["method"] for r in rows):
+    shown = []
+    for index, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
         cell = [r for r in rows if r["method"] == method and r["status"] == "ok"]
         if not cell:
             continue
         x = [r["length"] for r in cell]
-        line, = ax.plot(x, [r["perplexity"] for r in cell], marker="o", label=method)
-        ax.fill_between(x, [r["ci_low"] for r in cell], [r["ci_high"] for r in cell], color=line.get_color(), alpha=0.15)
+        y = [r["perplexity"] for r in cell]
+        line, = ax.plot(x, y, label=method, markerfacecolor="none", **series_style(index))
+        shown += y
+        if any(r["documents"] > 1 for r in cell):
+            ax.fill_between(x, [r["ci_low"] for r in cell], [r["ci_high"] for r in cell], color=line.get_color(),
+                            alpha=0.15)
+            shown += [r["ci_low"] for r in cell] + [r["ci_high"] for r in cell]
     length_axis(ax, [r["length"] for r in rows], native_length=native_length)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    log_value_axis(ax, shown)
     ax.set_ylabel("perplexity")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
@@ -194,21 +197,39 @@ def plot_perplexity(rows: Sequence[Mapping[str, Any]], path: str | Path, *, nati
     return save_figure(fig, path)
 
 
+MAX_ABSOLUTE_LINES = 4  # beyond this many methods, loss curves overlap: plot differences from a reference
+
+
 def plot_position_loss(records: Sequence[Mapping[str, Any]], length: int, path: str | Path, *,
-                       native_length: int | None = None, title: str = "") -> Path:
-    """Mean loss by token position at one length, one line per method: shows where an unpatched model breaks."""
+                       native_length: int | None = None, title: str = "", reference: str | None = None) -> Path:
+    """Mean loss by token position at one length, one line per method: shows where an unpatched model breaks. With
+    ``reference`` (a method), each line is its difference from the reference's loss: methods a few hundredths of a
+    nat apart are told apart, which absolute curves of 2 to 8 nats cannot show."""
     fig, (ax,) = new_figure()
-    for method in dict.fromkeys(r["method"] for r in records if r["length"] == length):
+    methods = list(dict.fromkeys(r["method"] for r in records if r["length"] == length))
+    base = position_loss(records, reference, length)[1] if reference else 0.0
+    for index, method in enumerate(m for m in methods if m != reference):
         x, y = position_loss(records, method, length)
-        ax.plot(x, y, label=method, linewidth=1.2)
+        ax.plot(x, y - base, label=method, linewidth=1.2, linestyle=series_style(index)["linestyle"])
+    if reference:
+        ax.axhline(0, color="black", linewidth=0.8, label=reference)
     if native_length:
         ax.axvline(native_length, color="grey", linestyle="--", linewidth=1, label=f"native length {native_length:,}")
     ax.set_xlabel(f"position in the {length:,}-token window")
-    ax.set_ylabel("mean loss (nats per token)")
+    ax.set_ylabel(f"mean loss − {reference}'s (nats per token)" if reference else "mean loss (nats per token)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
+
+
+def position_reference(rows: Sequence[Mapping[str, Any]], length: int) -> str | None:
+    """The method the position plot is drawn against when there are too many to draw whole: the one with the lowest
+    perplexity at ``length`` (the others' curves then show where and by how much they lose)."""
+    cell = [r for r in rows if r["length"] == length and r["status"] == "ok"]
+    if len(cell) <= MAX_ABSOLUTE_LINES:
+        return None
+    return min(cell, key=lambda r: r["perplexity"])["method"]
 
 
 def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]], output_dir: str | Path, *,
@@ -222,5 +243,6 @@ def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[s
     done = [r["length"] for r in rows if r["status"] == "ok"]
     if done:
         files["position plot"] = plot_position_loss(records, max(done), out / "position_loss.png",
-                                                    native_length=native_length, title=title)
+                                                    native_length=native_length, title=title,
+                                                    reference=position_reference(rows, max(done)))
     return files

@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter, NullLocator
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, NullLocator
 
 from ..files import atomic_write
 
@@ -31,7 +32,7 @@ def file_stem(label: str) -> str:
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path, fields: Sequence[str]) -> Path:
-    """One row per entry, in the given column order; written whole or not at all (:func:`~.files.atomic_write`)."""
+    """One row per entry, in the given column order; written whole or not at all (``atomic_write``)."""
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=list(fields))
     writer.writeheader()
@@ -57,6 +58,38 @@ def length_axis(ax, lengths: Sequence[int], *, native_length: int | None = None,
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel(label)
+
+
+# Marker and line style per series, so that lines of equal values stay apart without colour (print, colour blindness).
+STYLES = (("o", "-"), ("s", "--"), ("D", "-."), ("^", ":"), ("v", "-"), ("P", "--"), ("X", "-."), ("*", ":"))
+
+
+def series_style(index: int) -> dict[str, Any]:
+    marker, linestyle = STYLES[index % len(STYLES)]
+    return {"marker": marker, "linestyle": linestyle}
+
+
+def log_value_axis(ax, values: Sequence[float]) -> None:
+    """A log y axis whose labelled ticks sit among the data: plain-number ticks within a narrow range (5.6 to 6.3
+    gets 5.6, 5.8, 6, 6.2), 1-2-3-5 per decade over a wide one, never an axis whose data falls between labels."""
+    finite = [v for v in values if v is not None and np.isfinite(v) and v > 0]
+    ax.set_yscale("log")
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.3g}"))
+    if not finite:
+        return
+    low, high = min(finite), max(finite)
+    if high / low <= 8:
+        candidates = [t for t in MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high) if t > 0]
+        ticks = [t for t in candidates if low / 1.03 <= t <= high * 1.03]
+        if len(ticks) < 2:  # a range narrower than one step: the neighbouring ticks outside it too
+            ticks = [t for t in candidates if t < low][-1:] + ticks + [t for t in candidates if t > high][:1]
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        margin = (high / low) ** 0.08 if high > low else 1.02
+        ax.set_ylim(min(low, ticks[0]) / margin, max(high, ticks[-1]) * margin)
+    else:
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
 
 
 def save_figure(fig: Figure, path: str | Path) -> Path:

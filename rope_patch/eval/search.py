@@ -1,8 +1,8 @@
 """LongRoPE's search on a model: each candidate's fitness is the model's perplexity with the candidate as its
 ``longrope`` long factors, and the found factors against the hand-tuned methods on documents the search never saw.
 
-The search itself is pure maths (:mod:`rope_patch.methods.evolution`); this module scores candidates with the
-perplexity loop every other evaluation uses (:func:`rope_patch.eval.perplexity.evaluate`, truncate protocol at the
+The search itself is pure maths (``rope_patch.methods.evolution``); this module scores candidates with the
+perplexity loop every other evaluation uses (``rope_patch.eval.perplexity.evaluate``, truncate protocol at the
 target length: one forward per document), so the fitness is exactly the number ``rope-patch eval`` reports for the
 same factors. Every scored candidate is written at once to its own store, keyed by the factors and by everything else
 that changes the score (the model's fingerprint, dtype and attention implementation, the tokenizer, documents, target,
@@ -85,7 +85,7 @@ def short_context_cost(model: nn.Module, documents: Sequence[TokenizedDocument],
                        setup: Mapping[str, Any] | None = None, loss_chunk: int = 1024, progress: bool = False
                        ) -> tuple[float, float, float]:
     """``(ratio, low, high)``: the perplexity of ``spec`` over the unpatched model's ("none") on ``documents`` at the
-    native length, with its 95 % paired interval (:func:`~.perplexity_report.ratio_to_reference`). Resumable through
+    native length, with its 95 % paired interval (``ratio_to_reference``). Resumable through
     ``store``. For a ``longrope`` spec it is the same for every long factor list: up to the native length longrope runs
     its short factors and its attention factor only."""
     records, failures = evaluate(model, documents, [REFERENCE, dict(spec)], [native_length], protocol,

@@ -2,7 +2,7 @@
 activations outgrow one device.
 
 The N processes of a sequence group feed the same window, each its contiguous shard of L / N tokens with the
-window's global position ids; Ulysses (:mod:`rope_patch.patching.ulysses`) gives each process whole-sequence
+window's global position ids; Ulysses (``rope_patch.patching.ulysses``) gives each process whole-sequence
 attention for H / N heads. Each process scores the tokens its shard predicts, places their losses at their positions
 in a zero vector of the window's length, and the group sums the vectors (x + 0 is exact), so every process holds
 the per-token losses of one process on the whole window and the sweep above goes on unchanged. Dynamic methods see
@@ -69,7 +69,7 @@ class SequenceShards:
     @torch.no_grad()
     def window_nll(self, model: nn.Module, input_ids: torch.Tensor, scored_from: Sequence[int], *,
                    next_tokens: Sequence[int | None] | None = None, loss_chunk: int = 1024) -> list[torch.Tensor]:
-        """:func:`~rope_patch.eval.window_loss.window_nll` of the whole windows ``input_ids`` (B, L), computed by the
+        """``window_nll`` of the whole windows ``input_ids`` (B, L), computed by the
         sequence group, each process on its shard; every process returns the same losses."""
         if self.group is None:
             return window_nll(model, input_ids, scored_from, next_tokens=next_tokens, loss_chunk=loss_chunk)
@@ -99,7 +99,7 @@ class SequenceShards:
 @contextmanager
 def sequence_shards(model: nn.Module, size: int, *, rank: int, world: int) -> Iterator[SequenceShards]:
     """Inside the block, ``model``'s attention runs through Ulysses over groups of ``size`` consecutive ranks, and
-    the yielded :class:`SequenceShards` scores windows split over the group."""
+    the yielded ``SequenceShards`` scores windows split over the group."""
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as groups  # the extra, checked already
 
     with ulysses_attention(model, size, batch_size=1):

@@ -6,7 +6,7 @@ JSON line, written whole and synced the moment it is known. Re-opening the file 
 Nothing that parses is ever deleted. A line that does not parse (a crash cut the last one short, or the file was
 edited or damaged: not JSON, JSON that is not an object, not UTF-8) is set aside into ``results.jsonl.rejected``
 beside the store, with where it came from, and the user is told in one line; every other line stays, in order. The
-writing process holds the folder's lock (:class:`~.files.FolderLock`) from opening to closing, so a rewrite (only
+writing process holds the folder's lock (``FolderLock``) from opening to closing, so a rewrite (only
 after the set-aside copy is synced, atomically) and every append happen with no other writer; readers take no lock and
 change nothing. A full disk leaves no half line: the file is cut back to its last whole line and the error names the
 folder and the space needed.
@@ -99,7 +99,7 @@ def append_bytes(path: Path, data: bytes) -> None:
 class ResultStore:
     """A JSON-lines file of records, indexed by ``key_fields`` so a rerun can skip finished work.
 
-    ``writer=True`` (the default) holds the folder's lock until :meth:`close` (or the end of a ``with`` block, or the
+    ``writer=True`` (the default) holds the folder's lock until ``close`` (or the end of a ``with`` block, or the
     process): a second writer on the folder waits for it. ``writer=False`` reads what is there, takes no lock and
     changes nothing (the other processes of a multi-process run, reports).
     """

@@ -5,9 +5,9 @@ A method is given as a spec (``"yarn:factor=2"`` or ``{"name": "yarn", "factor":
 as it was loaded, with whatever scaling its checkpoint carries, so a fine-tuned checkpoint is evaluated with its own
 scaling and never scaled twice.
 
-:class:`Sweep` is the skeleton every evaluation runs in: methods × units (a length and a document, a passkey trial, an
+``Sweep`` is the skeleton every evaluation runs in: methods × units (a length and a document, a passkey trial, an
 lm-eval task), each method patched in once for the units it still lacks, each unit recorded the moment it is done and
-skipped on a rerun when the store holds it under the same key. The key is built in one place (:meth:`Sweep.identity`):
+skipped on a rerun when the store holds it under the same key. The key is built in one place (``Sweep.identity``):
 the method, the unit, and a ``setup`` of everything else that changes the numbers, to which the sweep adds the model's
 own fingerprint (config and weights), dtype and attention implementation. Rows of other settings are kept apart in the
 same file and never reused.
@@ -130,7 +130,7 @@ class Sweep:
     A unit is a dict of the fields that tell one piece of work from another within a run (``unit_fields``: a length
     and a document, a passkey cell, an lm-eval task). A record is ``{"setup", "method", **unit, **result}`` and its
     key is ``("setup", "method", *unit_fields)``; ``setup`` is what the caller gives (the settings that change the
-    numbers) plus :func:`model_setup`. A unit the store holds under the same key is returned as stored; the others
+    numbers) plus ``model_setup``. A unit the store holds under the same key is returned as stored; the others
     are computed by ``work`` with the method patched in, once per method.
     """
 
@@ -176,7 +176,7 @@ class Sweep:
     def run(self, units: Sequence[Mapping[str, Any]],
             work: Callable[[MethodEntry, list[Mapping[str, Any]]], None]) -> list[dict]:
         """Call ``work(entry, units it lacks)`` with each method patched in (a method with nothing left is not even
-        patched); ``work`` calls :meth:`finish` per unit. Returns the records of every method × unit in order, stored
+        patched); ``work`` calls ``finish`` per unit. Returns the records of every method × unit in order, stored
         or new (a unit ``work`` could not finish is left out)."""
         done = len(self.entries) * len(units) - sum(len(us) for _, us in self.missing(units))
         if done and self.store is not None and self.writer:

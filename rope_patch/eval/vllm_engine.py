@@ -3,8 +3,8 @@ transformers forward that every other rope_patch number comes from.
 
 vLLM computes RoPE with kernels and caches of its own, built from the ``rope_parameters`` it is handed
 (``hf_overrides``), so a run through vLLM is trusted only once its numbers agree with the patched model's: the
-log-probability of each token of a probe, compared one by one (:func:`compare_logprobs`, :func:`check_agreement`).
-vllm is an optional, heavy extra imported where used (:func:`require_vllm`).
+log-probability of each token of a probe, compared one by one (``compare_logprobs``, ``check_agreement``).
+vllm is an optional, heavy extra imported where used (``require_vllm``).
 """
 
 from __future__ import annotations

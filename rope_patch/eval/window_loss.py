@@ -1,5 +1,5 @@
 """The loss of a window: per-token NLL from the model's last hidden state through the output head in chunks
-(:mod:`rope_patch.loss`), so full-vocabulary logits never exist for a whole window; the output head whole on this
+(``rope_patch.loss``), so full-vocabulary logits never exist for a whole window; the output head whole on this
 process (tensor parallelism gathers it) and loaded (a device map may offload it); and the one check that a model's head
 is what the chunked loss reproduces."""
 

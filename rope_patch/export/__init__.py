@@ -1,5 +1,5 @@
 """Serving: what each engine (transformers, vLLM, SGLang, llama.cpp) must be given to compute the RoPE the model
-runs now, exactly, or a refusal naming why it cannot; and the files it loads (:mod:`.gguf` for llama.cpp).
+runs now, exactly, or a refusal naming why it cannot; and the files it loads (``gguf`` for llama.cpp).
 
 Below the jobs and the evaluation (which may check an engine against the patched model), above the surgery.
 """

@@ -1,8 +1,8 @@
 """What each serving engine must be given to compute the model's RoPE exactly as rope_patch does, or why it cannot.
 
-One function per question: :func:`served_rope` (the RoPE the model runs now, patched or as loaded),
-:func:`serving_settings` (an engine's settings for it, or :class:`~rope_patch.errors.EngineUnsupportedError`, one
-line) and :func:`support_table` (the method × engine table of the docs, generated from the rules below so it cannot
+One function per question: ``served_rope`` (the RoPE the model runs now, patched or as loaded),
+``serving_settings`` (an engine's settings for it, or ``EngineUnsupportedError``, one
+line) and ``support_table`` (the method × engine table of the docs, generated from the rules below so it cannot
 drift from what the code refuses).
 
 The rules come from each engine's source, read where rope_patch could not check a number itself:
@@ -15,7 +15,7 @@ The rules come from each engine's source, read where rope_patch could not check 
   ``rope.scaling.{type,factor,original_context_length,attn_factor}`` and per-pair divisors (``rope_freqs``, or
   LongRoPE's ``rope_factors_long``/``_short`` chosen by the configured context, not the current length), never
   YaRN's betas, and has no dynamic scaling. Any static per-pair frequencies with one attention factor are exact
-  through ``rope_freqs`` (:mod:`rope_patch.export.gguf`).
+  through ``rope_freqs`` (``rope_patch.export.gguf``).
 - No engine has Self-Extend or ReRoPE (llama.cpp keeps group attention in its CLI tools only).
 - vLLM has Dual Chunk Attention (``dual_chunk_attention_config``: ``DualChunkRotaryEmbedding`` in
   ``model_executor/layers/rotary_embedding/dual_chunk_rope.py``, the ``DUAL_CHUNK_FLASH_ATTN`` backend of its V0
@@ -275,7 +275,7 @@ def serving_settings(model: nn.Module, engine: str, *, longrope_short_equals_lon
 
 def rope_settings(rope: ServedRope, engine: str, *, longrope_short_equals_long: bool = False, folder: str = "DIR",
                   partial_rotary_factor: float | None = None) -> ServingSettings:
-    """:func:`serving_settings` for a RoPE (a model's, or one read from a GGUF file), or EngineUnsupportedError."""
+    """``serving_settings`` for a RoPE (a model's, or one read from a GGUF file), or EngineUnsupportedError."""
     reason = _refusal(engine, rope, longrope_short_equals_long)
     if reason is not None:
         raise EngineUnsupportedError(f"{ENGINE_NAMES[engine]} cannot serve {rope.label} exactly: {reason}")
@@ -431,7 +431,7 @@ def _family_cell(family: str, engine: str) -> str:
 
 def support_table(by: str = "method") -> str:
     """The method × engine table (``by="method"``) or the family × engine table (``by="family"``) in Markdown, from
-    :data:`RULES` and :data:`FAMILY_ENGINES` (docs/export.md holds copies a test checks)."""
+    ``RULES`` and ``FAMILY_ENGINES`` (docs/export.md holds copies a test checks)."""
     if by == "family":
         engines = ("vllm", "sglang", "llama.cpp")
         lines = ["| family (model_type) | " + " | ".join(ENGINE_NAMES[e] for e in engines) + " |",

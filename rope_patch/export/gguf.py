@@ -52,9 +52,9 @@ class GgufRope:
 
 
 def gguf_rope(rope: ServedRope, *, longrope_short_equals_long: bool = False) -> GgufRope:
-    """llama.cpp's keys and tensors for ``rope`` (already checked servable by :func:`serving_settings` or
-    :func:`~rope_patch.export.engines.rope_settings`): the one translation of a method into a GGUF, shared by the
-    model writer (:func:`write_gguf`) and the retag of an existing file (:func:`retag_gguf`)."""
+    """llama.cpp's keys and tensors for ``rope`` (already checked servable by ``serving_settings`` or
+    ``rope_settings``): the one translation of a method into a GGUF, shared by the
+    model writer (``write_gguf``) and the retag of an existing file (``retag_gguf``)."""
     base, p = rope.base, rope.params
     keys: dict[str, Any] = {"context_length": rope.context_length(), "rope.freq_base": float(base.rope_theta),
                             "rope.dimension_count": base.dim}
@@ -199,7 +199,7 @@ def _copy_field(writer, gguf, reader_field) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The retag: any GGUF llama.cpp reads (any architecture, quantization, vocabulary), its RoPE replaced.
 
-# The keys a retag replaces (without the ``{arch}.`` prefix): what :func:`gguf_rope` writes, and the older spelling of
+# The keys a retag replaces (without the ``{arch}.`` prefix): what ``gguf_rope`` writes, and the older spelling of
 # the linear factor. ``rope.scaling.finetuned`` says nothing llama.cpp computes with, and is kept.
 REPLACED_KEYS = ("context_length", "rope.freq_base", "rope.dimension_count", "rope.scale_linear",
                  "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",

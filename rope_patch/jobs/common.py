@@ -1,6 +1,6 @@
 """What the evaluation jobs share: the model they run on, loaded once, or handed over already loaded from Python.
 
-Their shared options (:class:`~rope_patch.jobs.configs.sweep.SweepConfig`) live with the other configs, free of
+Their shared options (``SweepConfig``) live with the other configs, free of
 torch; this module is what runs."""
 
 from __future__ import annotations

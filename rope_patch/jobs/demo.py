@@ -72,7 +72,7 @@ def run_demo(config: DemoConfig | None = None, /, **options: Any) -> DemoResult:
     """Load the model once, choose the grid, print the plan and its estimate, then run inspect, eval and passkey,
     printing each part's report as it finishes (with ``progress``).
 
-    ``run_demo(grid="small")``; options are the fields of :class:`DemoConfig`. Results go under ``output`` (eval/ and
+    ``run_demo(grid="small")``; options are the fields of ``DemoConfig``. Results go under ``output`` (eval/ and
     passkey/), so a rerun reuses every finished document and trial."""
     config = DemoConfig.from_options(config, **options)
     start = time.perf_counter()

@@ -27,7 +27,7 @@ from .configs.eval import EvalConfig
 JOB = "rope-patch eval"
 @dataclass
 class EvalResult:
-    """What :func:`run_eval` produced: summary rows, per-document records, failures, written files and the table."""
+    """What ``run_eval`` produced: summary rows, per-document records, failures, written files and the table."""
 
     rows: list[dict]
     records: list[dict]
@@ -62,7 +62,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     """Load the model and data once, evaluate every method × length on the same windows, and report.
 
     ``run_eval(method=["none", "yarn:factor=2"], lengths=[4096, 8192], documents=2)``; options are the fields of
-    :class:`EvalConfig`, and ``model=`` may also be a loaded model (then pass ``tokenizer=``). Documents shorter than the
+    ``EvalConfig``, and ``model=`` may also be a loaded model (then pass ``tokenizer=``). Documents shorter than the
     longest length are skipped (and counted), so every length sees the same documents. With ``output`` (a folder),
     results.jsonl makes the run resumable and summary.csv, summary.json, perplexity.png and position_loss.png are
     written there. Under ``accelerate launch`` the windows are split across processes.

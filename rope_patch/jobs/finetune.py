@@ -4,7 +4,7 @@ Position Interpolation (Chen et al. 2023, arXiv:2306.15595) brings LLaMA 7B at 8
 200 steps: patching is the first step, a short fine-tune at the new length the second. The job patches a model with a
 method spec, trains it (fully, or LoRA through peft with optionally trainable embeddings and norms, the LongLoRA
 recipe) on sequences of exactly ``seq_len`` tokens, and writes a standard transformers folder whose config carries the
-scaling, so it reloads anywhere without being scaled twice. The pieces live in :mod:`rope_patch.train`.
+scaling, so it reloads anywhere without being scaled twice. The pieces live in ``rope_patch.train``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     """Patch, train and save: ``finetune(method="linear:factor=2", seq_len=16384, steps=200, output="runs/x")``.
 
     Ctrl-C or SIGTERM saves a checkpoint at the end of the step and raises
-    :class:`~rope_patch.train.interrupt.TrainingInterrupted` (a KeyboardInterrupt) saying how to resume."""
+    ``TrainingInterrupted`` (a KeyboardInterrupt) saying how to resume."""
     config = FinetuneConfig.from_options(config, **options)
     try:
         forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision

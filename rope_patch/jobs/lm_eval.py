@@ -21,7 +21,7 @@ from .engine_settings import model_folder, vllm_serving
 
 @dataclass
 class LmEvalResult:
-    """What :func:`run_lm_eval` produced: summary rows, one record per (method, task, length), files and settings."""
+    """What ``run_lm_eval`` produced: summary rows, one record per (method, task, length), files and settings."""
 
     rows: list[dict]
     records: list[dict]
@@ -49,7 +49,7 @@ class LmEvalResult:
 
 def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEvalResult:
     """Load the model once, patch in each method, and run lm-eval's ``tasks`` on it; options are the fields of
-    :class:`LmEvalConfig` (``model=`` may be a loaded model, with ``tokenizer=``).
+    ``LmEvalConfig`` (``model=`` may be a loaded model, with ``tokenizer=``).
 
     ``run_lm_eval(method=["none", "yarn:factor=2"], tasks=["niah_single_1"], metadata={"max_seq_lengths": [4096,
     8192]}, limit=5)``. Unknown tasks and a missing lm-eval fail before the model is loaded. Finished (method, task,

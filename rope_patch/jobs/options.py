@@ -1,9 +1,9 @@
 """Job configs: one dataclass per job whose fields are the command-line options, the YAML keys and the Python keyword
 arguments, with one name, one default and one help text each.
 
-A field is declared with :func:`option`. Values are parsed and checked here, once, whatever their origin: a command
+A field is declared with ``option``. Values are parsed and checked here, once, whatever their origin: a command
 line gives strings (``"4096,8192,16k"``, ``"true"``), YAML gives numbers and lists, Python gives anything. Bad values
-raise :class:`~rope_patch.errors.ConfigError` naming the option and the fix.
+raise ``ConfigError`` naming the option and the fix.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, r
     ``const``: the value of the flag given alone (``--resume`` = ``--resume latest``); ``spec``: a method spec, text
     or a mapping (``{name: yarn, factor: 2}``); ``folder``: a folder the job writes, refused now if it names a file;
     ``empty``: whether a list option may be empty (default: only where its default is); ``model``: a model name or
-    folder, a local-looking path that does not exist refused before the job starts (:meth:`JobConfig.check_required`);
+    folder, a local-looking path that does not exist refused before the job starts (``JobConfig.check_required``);
     ``required``: the job cannot run without it (its default, None or [], only keeps the bare config constructible);
     ``aliases``: earlier names of the field, still read from the command line, YAML and Python with a warning."""
     metadata = {"help": help, "choices": choices, "repeat": repeat, "split": split, "tokens": tokens,
@@ -93,7 +93,7 @@ _WARNED: set[tuple[str, str]] = set()  # (verb, old name): each rename is told o
 
 def renamed(config: type[JobConfig], options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with earlier names of fields replaced by the fields' names, each told once as a
-    :class:`RenamedOptionWarning`; an option given by both names is refused."""
+    ``RenamedOptionWarning``; an option given by both names is refused."""
     names = {alias: spec.name for spec in dataclasses.fields(config) for alias in spec.metadata.get("aliases", ())}
     result = dict(options)
     for old, new in names.items():
@@ -162,7 +162,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 @dataclasses.dataclass
 class JobConfig:
-    """Base of every job's config: parses each field on construction, then runs the job's own :meth:`validate`."""
+    """Base of every job's config: parses each field on construction, then runs the job's own ``validate``."""
 
     command: ClassVar[str] = ""  # the rope-patch verb, for messages and the first line of saved configs
 
@@ -177,7 +177,7 @@ class JobConfig:
 
     def check_required(self) -> None:
         """What a run needs, checked when the job is about to run, not when the config is built (a saved config may
-        name a model a fine-tune has yet to write): see :meth:`check_runnable`."""
+        name a model a fine-tune has yet to write): see ``check_runnable``."""
         self.check_runnable({spec.name: getattr(self, spec.name) for spec in dataclasses.fields(self)})
 
     @classmethod

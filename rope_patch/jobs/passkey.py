@@ -17,7 +17,7 @@ from .configs.passkey import PasskeyConfig
 
 @dataclass
 class PasskeyResult:
-    """What :func:`run_passkey` produced: one record per trial, the written files, and the settings."""
+    """What ``run_passkey`` produced: one record per trial, the written files, and the settings."""
 
     records: list[dict]
     files: dict[str, Path]
@@ -42,7 +42,7 @@ class PasskeyResult:
 
 def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> PasskeyResult:
     """Load the model once and run the passkey grid for every method; options are the fields of
-    :class:`PasskeyConfig` (``model=`` may be a loaded model, with ``tokenizer=``). Finished trials in
+    ``PasskeyConfig`` (``model=`` may be a loaded model, with ``tokenizer=``). Finished trials in
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)

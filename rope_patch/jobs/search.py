@@ -3,8 +3,8 @@
 
 Every frequency method tunes its formula by hand (PI's one factor, NTK's base, YaRN's β ramp); LongRoPE (Ding et al.
 2024, arXiv:2402.13753) searches one factor per pair instead, the model's own perplexity as the fitness, with no
-training. The search is :mod:`rope_patch.methods.evolution`; each candidate is scored as the ``longrope`` method by
-the perplexity loop of ``rope-patch eval`` (:mod:`rope_patch.eval.search`), on held-in documents at the target
+training. The search is ``rope_patch.methods.evolution``; each candidate is scored as the ``longrope`` method by
+the perplexity loop of ``rope-patch eval`` (``rope_patch.eval.search``), on held-in documents at the target
 length. The found factors are written as a method spec that ``patch``, ``eval`` and ``finetune`` take
 (``--method @OUTPUT/best_method.json``) and as the ``rope_parameters`` plain transformers loads, then compared with
 the hand-tuned methods at the same factor on held-out documents the search never saw.
@@ -47,7 +47,7 @@ COMPARED = ("linear", "ntk", "yarn", "ntk_by_parts")  # the hand-tuned methods o
 
 @dataclass
 class SearchResult:
-    """What :func:`run_search` found: the best factors, their spec, the held-out table, the trace and the files."""
+    """What ``run_search`` found: the best factors, their spec, the held-out table, the trace and the files."""
 
     best: Scored
     spec: dict[str, Any]
@@ -100,7 +100,7 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     """Search LongRoPE factors for one model at one target length, save them, and compare them on held-out documents.
 
     ``run_search(target_length=16384, candidates=24, documents=1, heldout=["_pydecimal.py"])``; options are the
-    fields of :class:`SearchConfig`, and ``model=`` may be a loaded model (then pass ``tokenizer=``). Every scored
+    fields of ``SearchConfig``, and ``model=`` may be a loaded model (then pass ``tokenizer=``). Every scored
     candidate goes to OUTPUT/candidates.jsonl at once: rerun the same command to resume; the search replays the
     same candidates (same seed) and scores only those not stored.
     """

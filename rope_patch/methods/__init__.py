@@ -1,6 +1,6 @@
 """RoPE methods: the registry, the built-in frequency and attention methods, and the ``name:key=value`` spec grammar.
 
-Pure maths: nothing here imports transformers or touches a model (that is :mod:`rope_patch.patching`).
+Pure maths: nothing here imports transformers or touches a model (that is ``rope_patch.patching``).
 """
 
 from . import frequency  # noqa: F401, I001  (registers the frequency methods first: they lead every listing)

@@ -1,9 +1,9 @@
 """The attention-level methods: the relative position a query-key pair sees changes with where the pair sits.
 
 For a query at absolute position i and a key at position j, every method is a set of position layouts merged by one
-softmax (:class:`Bands`): layout 0 is the trained rotation (query at i, key at j, relative position i − j), and each
+softmax (``Bands``): layout 0 is the trained rotation (query at i, key at j, relative position i − j), and each
 further layout rotates the query at q_b(i) and the key at k_b(j); a rule picks one layout per pair. The attention that
-applies it lives in :mod:`rope_patch.patching.attention`.
+applies it lives in ``rope_patch.patching.attention``.
 
 Self-Extend, ReRoPE and leaky ReRoPE have two layouts chosen by distance d = i − j: pairs with d < W (the near band)
 keep the trained rotation, farther pairs (the far band) see the query at far_q(i) and the key at far_k(j). The far-band
@@ -13,7 +13,7 @@ relative position far_q(i) − far_k(j) meets the near band at d = W for every o
 * ReRoPE (Su 2023): far_q(i) = W, far_k(j) = 0: relative position min(d, W).
 * Leaky ReRoPE (Su 2023): far_q(i) = i/k + W − W/k, far_k(j) = j/k: relative position W + (d − W)/k beyond W.
 
-Dual Chunk Attention (:func:`dual_chunk_bands`) has three, chosen by chunk: see its docstring.
+Dual Chunk Attention (``dual_chunk_bands``) has three, chosen by chunk: see its docstring.
 
 They apply on top of whatever frequencies the model has, patched or not.
 """
@@ -116,7 +116,7 @@ def dual_chunk_bands(chunk: int, local: int) -> Bands:
 
 
 def attention_bands(name: str, params: dict[str, Any]) -> Bands:
-    """The :class:`Bands` of the registered attention method ``name``: its ``compute`` returns them, or a (far_q,
+    """The ``Bands`` of the registered attention method ``name``: its ``compute`` returns them, or a (far_q,
     far_k) pair of position maps that a ``window`` parameter turns into a near and a far band."""
     result = get_method(name).compute(**params)
     if isinstance(result, Bands):

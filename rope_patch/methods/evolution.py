@@ -17,8 +17,8 @@ perplexity being the fitness, instead of deriving them from a formula (PI: f_i =
 * every candidate is monotone non-decreasing from high to low frequency (pair 0 to d/2 − 1), lies in [1, 1 + s] and
   is new.
 
-Nothing here knows a model: :func:`evolve` calls a ``fitness`` function on each candidate (the job scores it as the
-``longrope`` method by perplexity, :mod:`rope_patch.eval.search`). The random draws come from one seeded
+Nothing here knows a model: ``evolve`` calls a ``fitness`` function on each candidate (the job scores it as the
+``longrope`` method by perplexity, ``rope_patch.eval.search``). The random draws come from one seeded
 ``numpy.random.Generator``, so a search replays exactly: with the fitness values read back from a store, a rerun
 proposes the same candidates in the same order, which is how an interrupted search resumes.
 """

@@ -1,9 +1,9 @@
 """The frequency methods: pure functions of plain numbers returning ``(inv_freq, attention_factor)``, and their
 registry entries (parameters, checks, and how transformers spells each one in ``config.rope_parameters``).
 
-Every function takes the model's unscaled RoPE (:class:`~rope_patch.methods.registry.RopeBase`), the current sequence
+Every function takes the model's unscaled RoPE (``RopeBase``), the current sequence
 length (used only by dynamic methods) and its parameters; none imports transformers. Finding and swapping a model's
-rotary modules lives in :mod:`rope_patch.patching`.
+rotary modules lives in ``rope_patch.patching``.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def rope_yarn(
     mscale_all_dim: float | None = None,
 ) -> Frequencies:
     """YaRN (Peng et al. 2023, arXiv:2309.00071): NTK-by-parts plus an attention temperature (see
-    :func:`yarn_attention_factor` for DeepSeek's ``mscale``/``mscale_all_dim``)."""
+    ``yarn_attention_factor`` for DeepSeek's ``mscale``/``mscale_all_dim``)."""
     inv_freq, _ = rope_ntk_by_parts(
         base, seq_len, factor=factor, original_max_position_embeddings=original_max_position_embeddings,
         beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate,

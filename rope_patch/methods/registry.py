@@ -1,17 +1,17 @@
 """The method registry: what a RoPE method is, its parameters, and how given values are checked.
 
-A frequency method maps the model's unscaled RoPE (:class:`RopeBase`: ``rope_theta``, rotary dimensions ``dim``, native length
+A frequency method maps the model's unscaled RoPE (``RopeBase``: ``rope_theta``, rotary dimensions ``dim``, native length
 ``L``) and its own parameters to ``(inv_freq, attention_factor)``: the fp32 inverse frequencies θ_i of the ``dim/2``
 rotary pairs, and the factor by which cos and sin are multiplied. This is transformers' contract
 (``modeling_rope_utils.ROPE_INIT_FUNCTIONS``) without its coupling to a config object; nothing in
-:mod:`rope_patch.methods` imports transformers. Parameter names follow transformers' ``rope_parameters`` keys.
+``rope_patch.methods`` imports transformers. Parameter names follow transformers' ``rope_parameters`` keys.
 
-An attention method (``kind="attention"``, :mod:`rope_patch.methods.attention`) instead maps absolute positions to the
+An attention method (``kind="attention"``, ``rope_patch.methods.attention``) instead maps absolute positions to the
 positions query-key pairs are rotated at (its ``Bands``, or a far band's pair of maps beyond a ``window``); it leaves
 the frequencies alone.
 
-The built-in methods live in :mod:`rope_patch.methods.frequency` and :mod:`rope_patch.methods.attention`; a user adds
-one with :func:`register_method`.
+The built-in methods live in ``rope_patch.methods.frequency`` and ``rope_patch.methods.attention``; a user adds
+one with ``register_method``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from ..values import FALSE, TRUE, parse_bool, parse_number
 
 
 def _parse_value(text: str) -> Any:
-    """A spec value: ``none``/``null``, a list ``[1.0,1.5]``, a boolean or a number as :mod:`.values` reads them
+    """A spec value: ``none``/``null``, a list ``[1.0,1.5]``, a boolean or a number as ``values`` reads them
     everywhere (so ``truncate=off`` here is ``--progress off`` there), else the text, which the method's parameter
     check then refuses by name."""
     text = text.strip()
@@ -128,7 +128,7 @@ def read_spec_file(spec: str) -> dict[str, Any]:
 
 
 def parse_single_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """One method's ``(name, params)``, the params in their canonical form (:func:`canonical_params`): read as their
+    """One method's ``(name, params)``, the params in their canonical form (``canonical_params``): read as their
     kinds, fixed defaults left out, in the registry's order; a key given twice is refused."""
     if not isinstance(spec, Mapping) and str(spec).strip().startswith(SPEC_FILE):
         spec = read_spec_file(str(spec))

@@ -1,9 +1,9 @@
 """Surgery on a loaded transformers model: the one place that knows transformers' internals.
 
-:mod:`.rotary` finds rotary modules and swaps their frequencies, :mod:`.record` keeps the config true and remembers
-the unscaled RoPE, :mod:`.generation` holds one length for each ``generate`` call, :mod:`.attention` runs the attention-level methods
-(each layer's rotation measured by :mod:`.layer_rotation`), :mod:`.offload` finds the weights of a model
-accelerate dispatched, :mod:`.core` holds the public verbs.
+``rotary`` finds rotary modules and swaps their frequencies, ``record`` keeps the config true and remembers
+the unscaled RoPE, ``generation`` holds one length for each ``generate`` call, ``attention`` runs the attention-level methods
+(each layer's rotation measured by ``layer_rotation``), ``offload`` finds the weights of a model
+accelerate dispatched, ``core`` holds the public verbs.
 """
 
 from .core import (

@@ -6,10 +6,10 @@ module) and caches; the function registered here receives q and k already rotate
 method's remapped layouts needs them rotated at its positions instead, so it rotates them once more, by q_b(i) − i
 for queries and k_b(j) − j for keys, with plain cos/sin of the rotary module's current ``inv_freq`` (any attention factor
 is already inside q·k, and rotations compose), in the layer's own pair layout, measured when the patch is installed
-(:mod:`.layer_rotation`). Layers the family leaves unrotated (NoPE) get plain causal attention, as they had. The
+(``layer_rotation``). Layers the family leaves unrotated (NoPE) get plain causal attention, as they had. The
 layouts are scored tile by tile over query blocks and chosen pair by pair (by distance, or by chunk) before one
-softmax; the mask is built tile by tile too (:mod:`.tiled_mask`): no L × L tensor per head. The tensor maths of the
-bands is :mod:`.two_band`; this module is the surgery around it: positions, the registered function, installation.
+softmax; the mask is built tile by tile too (``tiled_mask``): no L × L tensor per head. The tensor maths of the
+bands is ``two_band``; this module is the surgery around it: positions, the registered function, installation.
 
 Positions are read where transformers gives them: the queries' are the ``position_ids`` the decoder layers receive
 (PoSE skips and packed sequences included). The keys are the queries when there is no cache; with a dynamic cache,

@@ -1,11 +1,11 @@
 """Patch a loaded model's RoPE in place, reversibly: the public verbs.
 
-:func:`patch` finds the rotary modules (:mod:`.rotary`), snapshots everything it will change, gives each module an
+``patch`` finds the rotary modules (``rotary``), snapshots everything it will change, gives each module an
 instance-level forward that writes the method's fp32 frequencies, rewrites the config to describe the patched model
-and record the patch (:mod:`.record`), and wraps ``model.generate`` (:mod:`.generation`) so a dynamic method sees
+and record the patch (``record``), and wraps ``model.generate`` (``generation``) so a dynamic method sees
 one fixed length for a whole call (the KV cache then holds keys rotated like every later query, see
-:func:`fixed_length`). Only the given model instance changes: no class is modified, other models in the process are
-untouched. :func:`unpatch` puts everything back exactly.
+``fixed_length``). Only the given model instance changes: no class is modified, other models in the process are
+untouched. ``unpatch`` puts everything back exactly.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def patch_state(model: nn.Module) -> PatchState | None:
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` changed; ``str(report)`` is a short human summary."""
+    """What ``patch`` changed; ``str(report)`` is a short human summary."""
 
     method: str
     params: dict[str, Any]
@@ -128,8 +128,8 @@ class PatchReport:
 
 
 def rotary_setup(model: nn.Module, module: nn.Module, layer_type: str | None, native_length: int | None = None):
-    """The unscaled RoPE (:class:`~rope_patch.methods.RopeBase`) of one rotary module's layer type. Its native length:
-    ``native_length``, else a declared one (:func:`set_native_length`), else the one the patch applied now was given,
+    """The unscaled RoPE (``RopeBase``) of one rotary module's layer type. Its native length:
+    ``native_length``, else a declared one (``set_native_length``), else the one the patch applied now was given,
     else what the config states (refused where it states none)."""
     state = patch_state(model)
     live = state.config_snapshots.get(id(module.config), (None, None))[1] if state is not None else None
@@ -159,7 +159,7 @@ def declared_native_length(model: nn.Module) -> int | None:
 
 def set_native_length(model: nn.Module, length: int | None) -> None:
     """Declare the model's native (pretraining) context length, for checkpoints whose config does not state it (an
-    already scaled RoPE without original_max_position_embeddings). Every later patch and :func:`native_length` use
+    already scaled RoPE without original_max_position_embeddings). Every later patch and ``native_length`` use
     it; None removes the declaration."""
     if length is None:
         model.__dict__.pop(NATIVE_ATTR, None)
@@ -235,13 +235,13 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
 
     ``params`` use transformers' ``rope_parameters`` names (``factor``, ``original_max_position_embeddings``, ...);
     the model's own values are the defaults. ``layer_types`` matters for models with per-layer-type RoPE (Gemma 3):
-    the global (``full_attention``) layers by default (or those declared with :func:`set_layer_types`), ``"all"``,
+    the global (``full_attention``) layers by default (or those declared with ``set_layer_types``), ``"all"``,
     or a list. An attention method
     (``patch(model, "self_extend", group=4, window=1024)``) keeps the model's frequencies, whatever they are; a spec
     combines one of each: ``patch(model, "yarn:factor=2+self_extend:group=8,window=1024")``. ``native_length``: the
-    pretraining context length, for checkpoints whose config does not state it (see :func:`set_native_length`).
+    pretraining context length, for checkpoints whose config does not state it (see ``set_native_length``).
 
-    All or nothing (:func:`~.transaction.transaction`): any failure, a bad value or a config class of transformers
+    All or nothing (``transaction``): any failure, a bad value or a config class of transformers
     refusing the patched RoPE, leaves the model bit-for-bit as it was (an earlier patch included) and raises one
     RopePatchError line.
     """
@@ -253,7 +253,7 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
 
 def _patch(model: nn.Module, method: str, layer_types, native_length: int | None, params: dict[str, Any],
            modules: list[tuple[str, nn.Module]], step: Steps) -> PatchReport:
-    """The steps of :func:`patch`, inside its transaction: validate and compute first, then change the model."""
+    """The steps of ``patch``, inside its transaction: validate and compute first, then change the model."""
     frequency, attention = frequency_and_attention(method, params)
     if native_length is not None:
         _checked_native_length(native_length)
@@ -423,7 +423,7 @@ def _attention_report(model: nn.Module, report: PatchReport | None, base, method
 
 def unpatch(model: nn.Module) -> bool:
     """Restore the exact original rotary modules, config and ``generate``; False if the model was not patched.
-    All or nothing, as :func:`patch`: a failure leaves the patch in place and raises one RopePatchError line."""
+    All or nothing, as ``patch``: a failure leaves the patch in place and raises one RopePatchError line."""
     state = patch_state(model)
     if state is None:
         return False

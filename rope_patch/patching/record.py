@@ -4,7 +4,7 @@ After a patch, ``config.rope_parameters`` and ``max_position_embeddings`` descri
 own spelling where the config class accepts the method, so ``save_pretrained`` writes a checkpoint that plain
 transformers reloads as it ran; the legacy ``rope_scaling``/``rope_theta`` let transformers 4.x read it too, or make
 4.x fail loudly where it cannot run the patch. ``config.rope_patch`` records the patch, its native length and the
-original RoPE entries, so :func:`rope_patch.from_pretrained` can re-apply methods transformers lacks and every later
+original RoPE entries, so ``rope_patch.from_pretrained`` can re-apply methods transformers lacks and every later
 patch starts from the unscaled base (methods never compound). The native length is read where the config states it,
 or refused.
 """

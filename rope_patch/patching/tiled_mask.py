@@ -40,7 +40,7 @@ def tiled_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
                allow_is_causal_skip: bool = True, use_vmap: bool = False, device: torch.device | str = "cpu",
                **kwargs: Any) -> TiledMask | torch.Tensor | None:
     """The mask function registered with ``AttentionMaskInterface``: ``sdpa_mask``'s None when plainly causal, else a
-    :class:`TiledMask`. (A custom mask function that needs vmap gets ``sdpa_mask``'s full tensor.)"""
+    ``TiledMask``. (A custom mask function that needs vmap gets ``sdpa_mask``'s full tensor.)"""
     if use_vmap:
         return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                          local_size, allow_is_causal_skip, use_vmap=True, device=device, **kwargs)

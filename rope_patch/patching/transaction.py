@@ -3,8 +3,8 @@
 A patch touches several things in turn: rotary modules (buffers, attributes, an instance forward), configs (RoPE
 entries, the record, legacy keys), attention modules (hooks, the attention implementation), the model (its patch
 state, ``generate``). Any step can fail, in rope_patch or in transformers (a config class that refuses a value when
-rebuilt). :func:`transaction` snapshots all of it first and, on any exception, puts every piece back and raises one
-:class:`~rope_patch.errors.RopePatchError` line naming the model type, the step and the fix. One mechanism for every
+rebuilt). ``transaction`` snapshots all of it first and, on any exception, puts every piece back and raises one
+``RopePatchError`` line naming the model type, the step and the fix. One mechanism for every
 step, rather than a try/except per step that the next step added would forget.
 """
 

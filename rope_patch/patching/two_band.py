@@ -1,14 +1,14 @@
 """Banded attention on tensors: every query-key pair is scored in one of an attention method's position layouts (the
 trained rotation, or the query and key rotated at remapped positions), chosen pair by pair, and all pairs are merged
 by one softmax. Self-Extend and ReRoPE have two bands chosen by distance (near: trained; far: remapped), Dual Chunk
-Attention three chosen by chunk (:class:`rope_patch.methods.attention.Bands`).
+Attention three chosen by chunk (``rope_patch.methods.attention.Bands``).
 
 Queries go in tiles so that no L × L tensor exists. Where positions are regular (no mask, no softcap, one set of
 positions that grows by at least 1 per token: every perplexity window, every passkey prompt, PoSE's skips), the
 method names, for each tile, the runs of keys in which every pair has one layout; each run goes through a fused
 attention kernel that returns its log-sum-exp, only the keys around the diagonal are scored by hand, and the pieces are
 merged by their log-sum-exps. Else every tile is scored by hand over all its keys. Pure tensor maths: the surgery that
-feeds it is in :mod:`.attention`.
+feeds it is in ``attention``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def banded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Softmax attention where each pair (query i, key j) scores in layout ``bands.choose(q_pos[i], k_pos[j])``:
     layout 0 query·key, layout b ≥ 1 far[b-1][0]·far[b-1][1]. query and each far query [b, h, q, dim]; key, each far
     key and value [b, h, k, dim] (heads already repeated for GQA); q_pos [b, q], k_pos [b, k]; mask: None (causal by
-    index: the last query sees every key), a :class:`TiledMask`, or a tensor [b, 1, q, k], bool (True = attend) or
+    index: the last query sees every key), a ``TiledMask``, or a tensor [b, 1, q, k], bool (True = attend) or
     additive. Returns [b, q, h, dim] (transformers' attention-function layout)."""
     queries, keys_by_layout = [query] + [q for q, _ in far], [key] + [k for _, k in far]
     batch, heads, length, _ = query.shape
@@ -172,7 +172,7 @@ def attention_with_lse(query, key, value, scaling: float) -> tuple[torch.Tensor,
 
 
 def explicit_attention_with_lse(query, key, value, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same as :func:`attention_with_lse` with plain matmuls (other devices, and the tests' oracle of the kernels)."""
+    """The same as ``attention_with_lse`` with plain matmuls (other devices, and the tests' oracle of the kernels)."""
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]).to(value.dtype), value).float(), lse

@@ -1,7 +1,7 @@
 """DeepSpeed Ulysses around transformers' core attention: one sequence split over N processes.
 
-Shared by training (:mod:`rope_patch.train.sequence_parallel`) and evaluation
-(:mod:`rope_patch.eval.sequence_parallel`). Each process holds one contiguous shard of the sequence;
+Shared by training (``rope_patch.train.sequence_parallel``) and evaluation
+(``rope_patch.eval.sequence_parallel``). Each process holds one contiguous shard of the sequence;
 ``UlyssesSPAttentionHF`` swaps, around the core attention function, the shards' heads for whole-sequence heads (one
 all-to-all in, one out), so each process attends over all L tokens for H / N heads. It replaces transformers' process-wide ``ALL_ATTENTION_FUNCTIONS[impl]``: surgery, hence
 here. deepspeed is an optional extra, imported where used.

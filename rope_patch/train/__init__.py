@@ -1,3 +1,3 @@
-"""Fine-tuning pieces: the accelerate loop (:mod:`.loop`), LoRA (:mod:`.lora`), checkpoints and the final model
-(:mod:`.checkpoints`), and the training log (:mod:`.log`). The job that assembles them is
-:mod:`rope_patch.jobs.finetune`."""
+"""Fine-tuning pieces: the accelerate loop (``loop``), LoRA (``lora``), checkpoints and the final model
+(``checkpoints``), and the training log (``log``). The job that assembles them is
+``rope_patch.jobs.finetune``."""

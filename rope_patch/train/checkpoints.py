@@ -208,14 +208,14 @@ def state_bytes(accelerator) -> int:
 
 def disk_full(error: BaseException, folder: Path, needed: int) -> bool:
     """Whether a failed save ran out of space, however the writer says so: ENOSPC/EDQUOT/EFBIG as an ``OSError``,
-    safetensors' ``SafetensorError`` or torch's ``RuntimeError`` (see :func:`~rope_patch.files.write_error`)."""
+    safetensors' ``SafetensorError`` or torch's ``RuntimeError`` (see ``write_error``)."""
     return isinstance(error, Exception) and isinstance(write_error(error, folder, needed), DiskFullError)
 
 
 def save_checkpoint(accelerator, output: Path, step: int, keep: int, key: dict[str, Any]) -> Path:
     """Weights, optimizer, scheduler, RNG of every process and the data position (accelerate's ``save_state``), into
     a temporary folder renamed to ``step-NNNNNN`` once complete; then the oldest of this run's checkpoints beyond
-    the newest ``keep`` are deleted (0: keep all). A full disk raises :class:`DiskFullError` and leaves nothing."""
+    the newest ``keep`` are deleted (0: keep all). A full disk raises ``DiskFullError`` and leaves nothing."""
     root, final = checkpoints_root(output), checkpoint_folder(output, step)
     temporary = root / f".tmp-step-{step:06d}"  # one name for every process: the output lock keeps runs apart
     own = [c for c in scan_checkpoints(output)[0] if c.key == as_json(key)] if accelerator.is_main_process else []

@@ -4,9 +4,9 @@ The engines are accelerate's: rope_patch shards nothing itself. Two gaps of acce
 (gloo) are filled here, so that the FSDP2 and ZeRO-3 paths that run on GPUs are the ones the CPU tests prove:
 
 - an FSDP launch with ``use_cpu`` becomes plain data parallelism (the FSDP plugin its launcher configured is dropped),
-  although torch's ``fully_shard`` runs on gloo: :func:`select_fsdp_on_cpu` puts the plugin back;
+  although torch's ``fully_shard`` runs on gloo: ``select_fsdp_on_cpu`` puts the plugin back;
 - a DeepSpeed launch without a GPU starts DeepSpeed's process group but records no backend, so accelerate counts one
-  process of rank 0 in each: :func:`process_group_kwargs` names gloo (DeepSpeed's CPU accelerator,
+  process of rank 0 in each: ``process_group_kwargs`` names gloo (DeepSpeed's CPU accelerator,
   ``DS_ACCELERATOR=cpu``, uses it too).
 """
 

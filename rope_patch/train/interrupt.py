@@ -39,7 +39,7 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 class StopRequest:
     """While active (``with StopRequest() as stop``), SIGINT and SIGTERM raise KeyboardInterrupt, until ``armed``
-    (training has started): then the first one sets a flag that :meth:`agreed` reads at the end of each step, and a
+    (training has started): then the first one sets a flag that ``agreed`` reads at the end of each step, and a
     second one raises. Signal handlers exist only in the main thread: elsewhere Python's defaults stay."""
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """The training loop itself: one readable accelerate loop, the learning-rate schedule and the resumable progress.
 
 The same code runs on one CPU, one GPU, or many under ``accelerate launch`` (DDP, FSDP, DeepSpeed ZeRO-3). Which
-sequences a step trains on is a pure function of the step number (:mod:`rope_patch.data.packing`), so a checkpoint's
+sequences a step trains on is a pure function of the step number (``rope_patch.data.packing``), so a checkpoint's
 data position is one integer and a resume reaches exactly the result of an uninterrupted run, whatever the number of
 processes, as long as the global batch is the same.
 """
@@ -77,7 +77,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                      plain: bool = False, head_loss: HeadLoss | None = None) -> torch.Tensor:
     """Mean next-token loss of a micro-batch ``input_ids`` (B, L), without full-vocabulary logits
-    (:func:`rope_patch.loss.causal_lm_loss`). Every micro-batch scores B × (L − 1) tokens, so accelerate's division by
+    (``rope_patch.loss.causal_lm_loss``). Every micro-batch scores B × (L − 1) tokens, so accelerate's division by
     the accumulation steps and DDP's mean over processes make it exactly the mean over the optimizer step's tokens.
 
     ``plain``: the model's own loss, for FSDP and DeepSpeed ZeRO-3, whose output head is whole only inside the
@@ -97,10 +97,10 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
           patched: torch.nn.Module | None = None, key: dict[str, Any] | None = None,
           stop: StopRequest | None = None) -> dict[int, float]:
     """Run optimizer steps until ``config.steps``; each runs ``config.grad_accum`` micro-steps of ``config.batch_size``
-    sequences per data-parallel replica. ``config`` is the job's :class:`~rope_patch.jobs.finetune.FinetuneConfig`.
+    sequences per data-parallel replica. ``config`` is the job's ``FinetuneConfig``.
     ``layout``: with sequence parallelism, the processes sharing each sequence (``patched``: the patched model inside
     the wrappers). ``key``: the run's key, written into each checkpoint. ``stop``: a signal asked to stop; the loop
-    saves a checkpoint at the end of the step and raises :class:`TrainingInterrupted`. Returns
+    saves a checkpoint at the end of the step and raises ``TrainingInterrupted``. Returns
     ``{step: mean training loss}`` of the steps this call ran."""
     layout = layout or SequenceLayout.of(1, accelerator.process_index, accelerator.num_processes)
     ranks, rank = layout.replicas, layout.replica  # the processes of a sequence group train on the same sequences

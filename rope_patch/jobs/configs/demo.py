@@ -1,4 +1,4 @@
-"""The options of ``rope-patch demo`` (:class:`DemoConfig`); the job is :mod:`rope_patch.jobs.demo`."""
+"""The options of ``rope-patch demo`` (``DemoConfig``); the job is ``rope_patch.jobs.demo``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The options of ``rope-patch eval`` (:class:`EvalConfig`); the job is :mod:`rope_patch.jobs.eval`."""
+"""The options of ``rope-patch eval`` (``EvalConfig``); the job is ``rope_patch.jobs.eval``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The options of ``rope-patch export`` (:class:`ExportConfig`); the job is :mod:`rope_patch.jobs.export`."""
+"""The options of ``rope-patch export`` (``ExportConfig``); the job is ``rope_patch.jobs.export``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The options of ``rope-patch finetune`` (:class:`FinetuneConfig`); the job is :mod:`rope_patch.jobs.finetune`."""
+"""The options of ``rope-patch finetune`` (``FinetuneConfig``); the job is ``rope_patch.jobs.finetune``."""
 
 from __future__ import annotations
 

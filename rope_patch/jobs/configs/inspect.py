@@ -1,4 +1,4 @@
-"""The options of ``rope-patch inspect`` (:class:`InspectConfig`); the job is :mod:`rope_patch.jobs.inspect`."""
+"""The options of ``rope-patch inspect`` (``InspectConfig``); the job is ``rope_patch.jobs.inspect``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The options of ``rope-patch lm-eval`` (:class:`LmEvalConfig`); the job is :mod:`rope_patch.jobs.lm_eval`."""
+"""The options of ``rope-patch lm-eval`` (``LmEvalConfig``); the job is ``rope_patch.jobs.lm_eval``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The options of ``rope-patch passkey`` (:class:`PasskeyConfig`); the job is :mod:`rope_patch.jobs.passkey`."""
+"""The options of ``rope-patch passkey`` (``PasskeyConfig``); the job is ``rope_patch.jobs.passkey``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The options of ``rope-patch search`` (:class:`SearchConfig`); the job is :mod:`rope_patch.jobs.search`."""
+"""The options of ``rope-patch search`` (``SearchConfig``); the job is ``rope_patch.jobs.search``."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class SearchConfig(SweepConfig):
             raise ConfigError(str(error)) from None
 
     def evolution(self) -> Any:
-        """LongRoPE's settings (a :class:`~rope_patch.methods.evolution.Evolution`), scaled to --candidates, with the
+        """LongRoPE's settings (a ``Evolution``), scaled to --candidates, with the
         sizes given replacing theirs."""
         from ...methods.evolution import LONGROPE, scaled_to_budget
 

@@ -89,7 +89,7 @@ class SweepConfig(JobConfig):
                               "holding the model across devices, sequence parallelism one model copy per process")
 
     def load(self, loaded: Any = None, *, device: Any = None) -> Any:
-        """The job's model (a :class:`~rope_patch.jobs.common.LoadedModel`): the one a Python caller handed over, or
+        """The job's model (a ``LoadedModel``): the one a Python caller handed over, or
         the one ``--model`` names, loaded once (with ``--device-map``/``--offload-folder``, dispatched by accelerate
         over the devices and disk)."""
         from ..common import load_for_job
@@ -107,7 +107,7 @@ class SweepConfig(JobConfig):
 
     def setup(self, loaded: Any, **settings: Any) -> dict[str, Any]:
         """The settings that key this job's finished rows, beside what the sweep reads from the model itself (its
-        fingerprint, dtype and attention implementation, :func:`~rope_patch.eval.sweep.model_setup`): the model's
+        fingerprint, dtype and attention implementation, ``model_setup``): the model's
         name, its tokenizer, the kernels, the native length, and the job's own ``settings`` that change numbers."""
         from ...data import tokenizer_fingerprint
         from ...kernels import kernel_choice
