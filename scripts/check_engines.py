@@ -187,7 +187,8 @@ def gguf_contents(path: Path) -> tuple[dict, dict]:
     return keys, tensors
 
 
-def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, summary_path: Path, length: int) -> bool:
+def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, summary_path: Path,
+                 f32_length: int, only: list[str] | None = None) -> bool:
     """The retag (export --gguf): (1) the embedded Q4_1 file retagged, against the untouched file under llama.cpp's
     own overrides, same f32 KV cache: mean |Δ log p| ≤ 1e-5; (2) the f32 file of --method none retagged, against the
     f32 file of --method SPEC: the same keys and tensors, and the same log-probabilities."""
@@ -198,6 +199,7 @@ def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, su
 
     def record(name: str, a: np.ndarray, b: np.ndarray, extra: dict, seconds: float) -> None:
         nonlocal ok
+        length = len(a) + 1
         delta = np.abs(a - b)
         within = float(delta.mean()) <= 1e-5
         ok &= within
@@ -212,14 +214,18 @@ def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, su
               f"{'' if within else ' -> OVER TOLERANCE'}", flush=True)
 
     for spec, overrides in RETAG_OVERRIDES.items():
+        if only and spec not in only:
+            continue
         start = time.perf_counter()
         retag_gguf(plan_retag(default_gguf_path(), spec), work / "retag.gguf")
         retagged = gguf_logprobs(work / "retag.gguf", ids)
         flags = gguf_logprobs(default_gguf_path(), ids, **overrides)
         record(f"Q4_1 {spec} retagged vs llama.cpp overrides {overrides}", retagged, flags, {},
                time.perf_counter() - start)
-    write_gguf(model, tokenizer, work / "none.gguf", dtype="f32")
-    for spec in RETAG_F32:
+    f32_specs = [spec for spec in RETAG_F32 if not only or spec in only]
+    if f32_specs:
+        write_gguf(model, tokenizer, work / "none.gguf", dtype="f32")
+    for spec in f32_specs:
         start = time.perf_counter()
         name, params = rope_patch.parse_method_spec(spec)
         retag_gguf(plan_retag(work / "none.gguf", spec, longrope_short_equals_long=True), work / "retag.gguf")
@@ -227,8 +233,8 @@ def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, su
             write_gguf(model, tokenizer, work / "spec.gguf", dtype="f32", longrope_short_equals_long=True)
         same = gguf_contents(work / "retag.gguf") == gguf_contents(work / "spec.gguf")
         ok &= same
-        record(f"f32 none retagged {spec} vs f32 {spec}", gguf_logprobs(work / "retag.gguf", ids),
-               gguf_logprobs(work / "spec.gguf", ids), {"same_keys_and_tensors": same}, time.perf_counter() - start)
+        record(f"f32 none retagged {spec} vs f32 {spec}", gguf_logprobs(work / "retag.gguf", ids[:f32_length]),
+               gguf_logprobs(work / "spec.gguf", ids[:f32_length]), {"same_keys_and_tensors": same}, time.perf_counter() - start)
         print(f"  same keys and tensors: {same}", flush=True)
     for name in ("retag.gguf", "none.gguf", "spec.gguf"):
         (work / name).unlink(missing_ok=True)
@@ -347,6 +353,8 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--length", type=int, default=12288)
     parser.add_argument("--document", default="argparse.py")
+    parser.add_argument("--f32-length", type=int, help="llama.cpp-retag: tokens of the f32 comparisons (default: "
+                        "--length)")
     parser.add_argument("--angles", choices=["engine", "transformers", *ANGLES], default="engine",
                         help="rotary angles of the rope_patch side: the engine's own arithmetic (default; the check "
                              "passes or fails on it), or another, for a diagnosis (see the module's docstring)")
@@ -367,7 +375,9 @@ def main() -> int:
     model, tokenizer = rope_patch.load_default_model(dtype="fp32", device="cpu")
     ids = document_ids(tokenizer, args.document, args.length)
     if args.engine == "llama.cpp-retag":
-        return 0 if retag_checks(model, tokenizer, ids, work, summary, summary_path, args.length) else 1
+        return 0 if retag_checks(model, tokenizer, ids, work, summary, summary_path,
+                                 args.f32_length or args.length,
+                                 None if args.methods == METHODS else args.methods) else 1
     angles = ENGINE_ANGLES[args.engine] if args.angles == "engine" else args.angles
     engine_logprobs, engine_side = ENGINE_LOGPROBS[args.engine], args.engine
     if args.engine == "vllm":
