@@ -11,7 +11,6 @@ untouched. ``unpatch`` puts everything back exactly.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
