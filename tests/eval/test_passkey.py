@@ -267,7 +267,7 @@ def test_the_command_runs_resumes_and_writes_everything(char_tokenizer, tmp_path
     ],
 )
 def test_bad_command_lines_exit_2_before_loading_a_model(extra, message, capsys):
-    assert main(["passkey", "--model", "./no/such/model", *extra]) == 2
+    assert main(["passkey", "--model", "no-such-org/no-such-model", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
 

@@ -33,12 +33,12 @@ def documents(*lengths, seed=0):
 
 def forward_lengths(model):
     """The sequence length of every scoring forward of the decoder from now on (not the one-token forwards by which
-    patching in an attention method measures each layer's rotation)."""
+    patching in an attention method measures each layer's rotation: a few tokens, far below any scored length)."""
     decoder, seen = model.get_decoder(), []
     original = decoder.forward
 
     def forward(*args, **kwargs):
-        if kwargs["input_ids"].shape[1] > 1:
+        if kwargs["input_ids"].shape[1] > 4:
             seen.append(kwargs["input_ids"].shape[1])
         return original(*args, **kwargs)
 
