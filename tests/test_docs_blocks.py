@@ -14,7 +14,7 @@ fine-tune a later ``eval`` scores). A ``rope-patch ...`` line runs in this proce
 HTML comments on the lines right before a block's opening fence change that, visibly in the page's source:
 
 - ``<!-- docs-test: skip KIND: why -->``: not run; KIND is one of ``SKIP_KINDS`` (a GPU, an engine, several
-  processes, a hub model, an installer) and the reason is reported as the test's skip reason;
+  processes, a hub model, an installer, the embedded model itself) and the reason is reported as the test's skip reason;
 - ``<!-- docs-test: shrink OLD => NEW; ... -->``: each OLD text replaced by NEW before running, for costs that a
   tiny model does not remove (training steps, search candidates). The block as written still parses in full
   (``test_docs.py`` parses every command);
@@ -46,6 +46,7 @@ SKIP_KINDS = {
     "processes": "starts several processes (accelerate launch, torchrun); tests/train runs the same on CPU",
     "hub": "loads a model from the hub (no network in the tests)",
     "install": "installs packages or runs the test suite",
+    "embedded": "needs the embedded model itself (the llama.cpp writer carries its vocabulary only), not the tiny one",
 }
 MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|shrink|slow)\s+(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
