@@ -46,6 +46,7 @@ SKIP_KINDS = {
     "processes": "starts several processes (accelerate launch, torchrun); tests/train runs the same on CPU",
     "hub": "loads a model from the hub (no network in the tests)",
     "install": "installs packages or runs the test suite",
+    "interrupted": "continues an interrupted run, which the page's blocks do not make",
     "embedded": "needs the embedded model itself (the llama.cpp writer carries its vocabulary only), not the tiny one",
 }
 MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|shrink|slow)\s+(.*?)\s*-->\s*$")
