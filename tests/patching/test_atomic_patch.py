@@ -60,14 +60,7 @@ def _refused(model, *args, **kwargs) -> str:
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: hundreds of tiny forwards run several times faster without threads waiting on each other on
-    a loaded machine (the comparisons do not depend on it: both sides run in this process)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # hundreds of tiny forwards (see conftest.py)
 
 TYPES = [t for t in sorted(rotary_model_types()) if t not in UNBUILDABLE]
 
