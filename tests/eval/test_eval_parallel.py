@@ -58,7 +58,9 @@ def test_windows_split_over_two_processes_score_as_one_process(workspace, tmp_pa
     static, dynamic and LongRoPE frequencies: every document's NLL within 1e-5 of one process; one writer."""
     single = run_eval(**options(workspace, output=None))
     launch(2, options(workspace, output=str(tmp_path / "split"), sequence_parallel=2))
-    records = read_records(tmp_path / "split")
+    stored = read_records(tmp_path / "split")
+    records = [r for r in stored if r["method"] != "none"]  # none is scored below native for the short-context cost
+    assert len(stored) - len(records) == 2  # at the one length up to native, for the 2 documents
     assert len(records) == len(single.records) == len(METHODS) * 2 * 2  # written once, by the main process
     expected = {(r["method"], r["length"], r["document"]): r for r in single.records}
     for record in records:
