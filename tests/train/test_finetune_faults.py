@@ -125,9 +125,11 @@ def test_a_full_disk_at_the_log_is_one_line(full_disk):
 
 
 def test_a_refusal_under_accelerate_launch_is_one_line_from_every_process(workspace, tmp_path):
-    """A second fine-tune on a busy folder, launched on 2 processes: each process prints the refusal on one line and
-    exits 2 (before, the main process refused and the other one died in gloo). What follows is accelerate's own
-    report of the processes' exit codes (torch.distributed.elastic), which rope-patch does not print."""
+    """A second fine-tune on a busy folder, launched on 2 processes: every process that gets to print prints the
+    refusal on one line and exits 2 (before, the main process refused and the other one died in gloo). The launcher
+    (torch.distributed.elastic) ends the other processes with SIGTERM as soon as the first one exits, so on a busy
+    machine the slower one may be stopped before it prints: that is the launcher's choice, not a rope-patch fault.
+    What follows our line is accelerate's own report of the exit codes, which rope-patch does not print."""
     import fcntl
 
     from cpu_launch import launch_job
@@ -143,8 +145,9 @@ def test_a_refusal_under_accelerate_launch_is_one_line_from_every_process(worksp
                         output=output, gradient_checkpointing=False)
         run = launch_job("finetune", settings, processes=2, timeout=600, check=False)
     ours = [line for line in run.stderr.splitlines() if line.startswith("rope-patch finetune: error:")]
-    assert len(ours) == 2 and all("is in use by rope-patch finetune (pid 1 on elsewhere)" in line for line in ours), \
-        run.stderr[-3000:]
+    assert 1 <= len(ours) <= 2, run.stderr[-3000:]
+    assert all("is in use by rope-patch finetune (pid 1 on elsewhere)" in line for line in ours), run.stderr[-3000:]
     assert "gloo" not in run.stderr.lower() and not re.search(r'File ".*/rope_patch/', run.stderr), run.stderr[-3000:]
-    assert run.stderr.count("exitcode  : 2") == 2, run.stderr[-3000:]  # both processes exited 2
+    codes = re.findall(r"exitcode\s*: (-?\d+)", run.stderr)  # the launcher's report, one per process it lists
+    assert run.returncode != 0 and "2" in codes and set(codes) <= {"2", "-15"}, run.stderr[-3000:]
     assert not (output / "checkpoints").exists()
