@@ -6,7 +6,8 @@ The blocks are written for users: the embedded SmolLM2-135M, lengths up to 16k a
 package is not told it is under test, the block's text is not changed, and every flag, file, folder and
 Python call in it is exercised by the real code.
 
-The blocks of one page run in order, in one temporary folder (with ``configs`` linked into it, as in a checkout) and,
+The blocks of one page run in order, in one temporary folder (with ``configs`` and ``scripts`` linked into it, as in a
+checkout) and,
 for Python, one namespace: a page reads top to bottom, and a later block may use what an earlier one wrote (the
 fine-tune a later ``eval`` scores). A ``rope-patch ...`` line runs in this process through ``rope_patch.cli.main``
 (exit status 0 expected); any other line runs in ``bash``.
@@ -49,11 +50,8 @@ SKIP_KINDS = {
     "interrupted": "continues an interrupted run, which the page's blocks do not make",
     "embedded": "needs the embedded model itself (the llama.cpp writer carries its vocabulary only), not the tiny one",
 }
-# The whole module runs with the slow tests (make test-slow): running every block takes many minutes on 2 cores, and it
-# has not yet been seen passing end to end in one run. test_docs.py (every flag, verb list, label) runs in make test.
-pytestmark = pytest.mark.slow
 
-MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|shrink|slow)\s+(.*?)\s*-->\s*$")
+MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|shrink|slow)(?::|\s)\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 
@@ -148,8 +146,9 @@ def test_every_block_runs(item, tiny_cache, tmp_path_factory, monkeypatch):
         PAGE_STATE[page] = {"folder": tmp_path_factory.mktemp(page.stem), "namespace": {}}
     state = PAGE_STATE[page]
     folder = state["folder"]
-    if not (folder / "configs").exists():
-        (folder / "configs").symlink_to(ROOT / "configs")
+    for name in ("configs", "scripts"):  # as in a checkout: a block may name a config or run a script
+        if not (folder / name).exists():
+            (folder / name).symlink_to(ROOT / name)
     monkeypatch.chdir(folder)
     monkeypatch.setenv("ROPE_PATCH_CACHE", str(tiny_cache))
     text = shrunk(block)
