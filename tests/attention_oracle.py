@@ -14,11 +14,16 @@ the trained one: query at i, key at j) and the L × L matrix choosing a layout p
 The attention runs under its own name in transformers' interface. The family's own rotation function, wrapped while
 the oracle runs, hands over each layer's unrotated q and k (a layer that never calls it, NoPE, attends without
 positions), and every layout rotates them with that same function and the family's rotary module at the layout's
-positions. Positions are the forward's ``arange``, never rope_patch's. Nothing here imports rope_patch.
+positions. Positions are the forward's ``arange`` (or the one position vector the test gives, e.g. PoSE's skipping
+ids), never rope_patch's. Nothing here imports rope_patch.
+
+``oracle_logits`` computes one forward without gradients; ``oracle_attention`` is the same as a block inside which
+every forward of the model runs the oracle, with autograd (training gradients) and from any caller (lm-eval's HFLM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -33,16 +38,17 @@ ROTATION_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")  # what each f
 Layouts = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]  # query positions, key positions, choice
 
 
-def method_layouts(name: str, params: dict, length: int) -> Layouts:
-    """([query positions [L] per layout], [key positions [L] per layout], choice [L, L]) of a method."""
-    i = torch.arange(length).float()
+def method_layouts(name: str, params: dict, positions: int | torch.Tensor) -> Layouts:
+    """([query positions [L] per layout], [key positions [L] per layout], choice [L, L]) of a method, for a sequence
+    at ``positions`` [L] (increasing whole numbers), or at 0..L-1 given the length L."""
+    whole = torch.arange(positions) if isinstance(positions, int) else positions.long()
+    i = whole.float()
     if name == "dca":
         s, w, c = params["chunk"] - params["local"], params["local"] + 1, params["chunk"] + 1
-        whole = torch.arange(length)
         key = (whole % s).float()
         intra = (whole % s).float()
         successive = torch.where(whole % s < w, s + whole % s, torch.full_like(whole, c - 1)).float()
-        inter = torch.full((length,), float(c - 1))
+        inter = torch.full((len(whole),), float(c - 1))
         choice = (whole[:, None] // s - whole[None, :] // s).clamp(0, 2)
         return [intra, successive, inter], [key, key, key], choice
     w = params["window"]
@@ -61,6 +67,7 @@ def method_layouts(name: str, params: dict, length: int) -> Layouts:
 class Oracle:
     method: tuple[str, dict] | None = None
     model = None
+    positions: torch.Tensor | None = None  # [L] the sequence's positions; None: 0..L-1 of each forward
     captured: tuple | None = None
 
     pending: list = []  # single-tensor rotations (Gemma 4: q and k rotated by two calls): the tensors seen so far
@@ -109,7 +116,9 @@ class Oracle:
             scores = query @ key.repeat_interleave(groups, 1).transpose(-1, -2)
         else:
             function, q_raw, k_raw = captured
-            query_positions, key_positions, choice = method_layouts(*Oracle.method, n)
+            positions = n if Oracle.positions is None else Oracle.positions
+            assert Oracle.positions is None or len(positions) == n, "the oracle attends a whole sequence, no cache"
+            query_positions, key_positions, choice = method_layouts(*Oracle.method, positions)
             scores = torch.zeros(query.shape[0], query.shape[1], n, n)
             for index, (p_q, p_k) in enumerate(zip(query_positions, key_positions)):
                 q_rot = Oracle.rotate(module, function, q_raw, p_q, query)
@@ -133,17 +142,30 @@ AttentionInterface.register(ORACLE, Oracle.attention)
 AttentionMaskInterface.register(ORACLE, sdpa_mask)
 
 
-def oracle_logits(model, ids: torch.Tensor, name: str, params: dict) -> torch.Tensor:
-    """The model's logits for ``ids`` (one sequence, positions 0..L-1) under method ``name`` as the oracle computes it."""
+def oracle_logits(model, ids: torch.Tensor, name: str, params: dict,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits for ``ids`` (one sequence, positions 0..L-1 or ``positions`` [L]) under method ``name`` as the
+    oracle computes it."""
+    extra = {} if positions is None else {"position_ids": positions[None], "attention_mask": torch.ones_like(ids)}
+    with oracle_attention(model, name, params, positions), torch.no_grad():
+        return model(ids, **extra).logits
+
+
+@contextlib.contextmanager
+def oracle_attention(model, name: str, params: dict, positions: torch.Tensor | None = None):
+    """Inside the block every forward of ``model`` (unpatched) attends as method ``name`` by the oracle, autograd
+    included: whole sequences at 0..L-1 (or at ``positions`` [L], passed to the model as ``position_ids`` by the
+    caller, with an all-ones attention mask), without a KV cache."""
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     missing = object()
     previous = [(config, config.__dict__.get("_attn_implementation_internal", missing)) for config in configs.values()]
-    Oracle.method, Oracle.model = (name, params), model
+    Oracle.method, Oracle.model, Oracle.positions = (name, params), model, positions
     modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("Attention")}
     wrapped = [(module, fn, getattr(module, fn)) for module in modules for fn in ROTATION_FUNCTIONS
                if hasattr(module, fn)]
     Oracle.captured, Oracle.pending = None, []
     layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+
     def reset(*_):
         Oracle.captured, Oracle.pending = None, []
 
@@ -153,9 +175,9 @@ def oracle_logits(model, ids: torch.Tensor, name: str, params: dict) -> torch.Te
             config._attn_implementation_internal = ORACLE
         for module, fn, original in wrapped:
             setattr(module, fn, Oracle.wrap(original))
-        with torch.no_grad():
-            return model(ids).logits
+        yield
     finally:
+        Oracle.positions = None
         for hook in hooks:
             hook.remove()
         for module, fn, original in wrapped:

@@ -46,7 +46,7 @@ def check_eval_sequence_parallel(size: int, *, processes: int, lengths: Sequence
         raise ConfigError("--sequence-parallel splits one window at a time: use --batch-size 1")
     for spec in methods:
         if spec != AS_LOADED and frequency_and_attention(spec)[1]:
-            raise ConfigError(f"--sequence-parallel cannot evaluate {spec}: its two-band attention is not the core "
+            raise ConfigError(f"--sequence-parallel cannot evaluate {spec}: its banded attention is not the core "
                               "attention Ulysses wraps; evaluate attention-level methods without --sequence-parallel")
     require_ulysses()
     if model is None:

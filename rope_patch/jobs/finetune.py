@@ -26,6 +26,7 @@ from ..kernels import apply_kernels, head_loss_for, preferred_attention, remove_
 from ..loading import load_model
 from ..methods import method_label, parse_method_spec
 from ..patching import patch, set_layer_types
+from ..patching.attention import check_attention_dropout
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
@@ -106,6 +107,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     if config.layer_types is not None:
         set_layer_types(model, config.layer_types)  # checked before any work, kept by the saved patch's record
     report = patch(model, name, native_length=config.native_length, **params)
+    check_attention_dropout(model)  # before any work: an attention method applies no attention dropout
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
                             model=model, pose=config.pose_target_len is not None)
     patched = model  # where the patch lives, whatever wraps it later (fixed lengths under sequence parallelism)

@@ -135,6 +135,8 @@ def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     """The function transformers calls in place of eager/sdpa/flash attention on a model patched with an attention
     method. query [b, h, q, dim], key/value [b, kv_heads, k, dim], rotated at their absolute positions."""
     setup: AttentionSetup = module.__dict__[SETUP_ATTR]
+    if dropout:
+        raise UnsupportedModelError(dropout_refusal(setup.label, dropout))
     if kwargs.get("s_aux") is not None:
         raise UnsupportedModelError(f"{type(module).__name__} uses attention sinks, which the attention-level methods "
                                     "do not support; use a frequency method")
@@ -219,6 +221,23 @@ def install_attention(model: nn.Module, method: str, params: dict[str, Any], lab
     for module in modules:
         module.__dict__[SETUP_ATTR] = setup
     return setup
+
+
+def dropout_refusal(label: str, dropout: float) -> str:
+    return (f"{label}: the model's attention dropout ({dropout:g}) is not applied by the attention-level methods' "
+            "attention, so training through it would not be the model's; set attention_dropout to 0 in its "
+            "config.json, or train a frequency method")
+
+
+def check_attention_dropout(model: nn.Module) -> None:
+    """Refuse, before training, a model patched with an attention method whose attention modules apply dropout in
+    training (``attention_dropout`` > 0): the banded attention has none, and would silently train another model."""
+    for module in attention_modules(model):
+        setup = module.__dict__.get(SETUP_ATTR)
+        rates = (getattr(module, "attention_dropout", None), getattr(module.config, "attention_dropout", None))
+        rate = max((float(r) for r in rates if isinstance(r, (int, float)) and not isinstance(r, bool)), default=0.0)
+        if setup is not None and rate > 0:
+            raise UnsupportedModelError(dropout_refusal(setup.label, rate))
 
 
 def remove_attention(setup: AttentionSetup) -> None:

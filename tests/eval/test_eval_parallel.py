@@ -93,7 +93,7 @@ def test_attention_level_methods_are_refused_under_tensor_parallelism():
 
 @needs_deepspeed
 def test_attention_level_methods_are_refused_by_name():
-    with pytest.raises(ConfigError, match="cannot evaluate self_extend:group=4,window=16: its two-band attention"):
+    with pytest.raises(ConfigError, match="cannot evaluate self_extend:group=4,window=16: its banded attention"):
         EvalConfig(sequence_parallel=2, method=["yarn:factor=2", "self_extend:group=4,window=16"], lengths=[64])
 
 

@@ -7,6 +7,7 @@ every test runs in seconds and offline."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from attention_oracle import oracle_attention, oracle_logits
 from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
 import rope_patch
@@ -210,11 +212,12 @@ def test_the_default_window_is_the_sweeps_extended_context_for_every_method(task
         assert got == [pytest.approx(expected, rel=1e-4)], spec
 
 
-def test_a_method_without_an_extended_context_asks_for_max_length(tiny_folder, tasks_dir, tmp_path, capsys):
-    code = main(["lm-eval", "--model", str(tiny_folder[0]), "--method", "none", "--method", "rerope:window=16",
+@pytest.mark.parametrize("spec", ["rerope:window=16", "dca:chunk=40,local=8", "yarn:factor=2+dca:chunk=40,local=8"])
+def test_a_method_without_an_extended_context_asks_for_max_length(spec, tiny_folder, tasks_dir, tmp_path, capsys):
+    code = main(["lm-eval", "--model", str(tiny_folder[0]), "--method", "none", "--method", spec,
                  "--tasks", "tiny_rolling", "--include-path", str(tasks_dir), "--output", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar, before any lm-eval run
-    assert code == 2 and "rerope:window=16" in err and "--max-length" in err and "Traceback" not in err
+    assert code == 2 and spec in err and "--max-length" in err and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------------------------- generation
@@ -246,17 +249,33 @@ def test_a_dynamic_method_generates_with_one_fixed_length_equal_to_a_full_recomp
             assert ids.tolist() == output.tolist()
 
 
-def test_an_attention_method_scores_and_generates_through_lm_eval_as_a_full_recompute(tasks_dir, monkeypatch):
-    """Self-Extend reaches lm-eval through the same patched model object: the rolling scores change (the far band is
-    active beyond the window), and each cached generation equals greedy decoding by full forwards of the patched
-    model, with the prompt (90 tokens) and the generation beyond the window (16)."""
-    model, tokenizer = build_model(tiny_llama_config()), make_char_tokenizer()
-    spec = "self_extend:group=2,window=16"
+@pytest.mark.parametrize("spec", ["self_extend:group=2,window=16", "dca:chunk=40,local=8"])
+def test_an_attention_method_scores_and_generates_through_lm_eval_as_the_dense_reference(spec, tasks_dir,
+                                                                                         monkeypatch):
+    """Self-Extend and Dual Chunk Attention reach lm-eval through the same patched model object. The oracle is the
+    dense reference of ``tests/attention_oracle.py`` (written from the papers, no rope_patch code): lm-eval's own HFLM
+    scoring the unpatched model while the reference attends gives the same rolling scores (windows of 128 tokens:
+    past Self-Extend's window of 16, over four DCA chunks of 32), and every token of each cached generation (prompts of
+    90 tokens) is the reference's greedy choice on the prefix recomputed in full."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    model, tokenizer = build_model(tiny_llama_config(initializer_range=0.2)), make_char_tokenizer()  # 10x the default
+    name, params = rope_patch.parse_method_spec(spec)  # init: attention far from uniform, positions matter (~1 %)
     options = dict(model=model, tokenizer=tokenizer, include_path=str(tasks_dir), max_length=128, output=None,
                    progress=False)
     rolling = rope_patch.run_lm_eval(method=["none", spec], tasks=["tiny_rolling"], **options)
-    by_method = {r["method"]: r["value"] for r in rolling.rows if r["metric"] == "bits_per_byte"}
-    assert abs(by_method["none"] - by_method[spec]) > 1e-6 * by_method["none"]  # random weights: small, not noise
+    got = {(r["method"], r["metric"]): r["value"] for r in rolling.rows}
+    assert rope_patch.current_patch(model) is None
+    with oracle_attention(model, name, params):
+        theirs = lm_eval.simple_evaluate(
+            model=HFLM(pretrained=model, tokenizer=tokenizer, max_length=128, batch_size=1), tasks=["tiny_rolling"],
+            task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False))
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):  # each a function of the summed NLL
+        as_nll = math.log if metric.endswith("perplexity") else float  # (exp of it / words: exp amplifies rounding)
+        expected = as_nll(theirs["results"]["tiny_rolling"][f"{metric},none"])
+        assert as_nll(got[(spec, metric)]) == pytest.approx(expected, rel=1e-6), metric
+        assert abs(as_nll(got[("none", metric)]) - expected) > 1e-3 * expected, metric  # the method is active at 128
 
     calls = []
     real_generate = type(model).generate
@@ -269,12 +288,11 @@ def test_an_attention_method_scores_and_generates_through_lm_eval_as_a_full_reco
     monkeypatch.setattr(type(model), "generate", spy)
     rope_patch.run_lm_eval(method=[spec], tasks=["tiny_generate"], **options)
     assert len(calls) == 3 and rope_patch.current_patch(model) is None
-    with rope_patch.patched(model, spec), torch.no_grad():
-        for input_ids, output in calls:
-            ids = input_ids
-            for _ in range(output.shape[1] - input_ids.shape[1]):
-                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            assert ids.tolist() == output.tolist()
+    for input_ids, output in calls:
+        assert input_ids.shape[1] == 90 and output.shape[1] > 90
+        for end in range(90, output.shape[1]):
+            scores = oracle_logits(model, output[:, :end], name, params)[0, -1]
+            assert scores[output[0, end]] >= scores.max() - 1e-4, (end, scores.topk(2))
 
 
 # ----------------------------------------------------------------------------------------------- the extra

@@ -142,6 +142,7 @@ def test_the_engine_is_part_of_the_results_key(tasks_dir, tmp_path, monkeypatch)
     ("self_extend:group=4,window=32", "attention-level method"),
     ("yarn:factor=2+self_extend:group=4,window=32", "attention-level method"),
     ("rerope:window=32", "attention-level method"),
+    ("dca:chunk=40,local=8", "attention-level method"),
     ("dynamic_ntk:factor=2", "freezes at one length"),
     ("dynamic_yarn", "freezes at one length"),
 ])

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_oracle import oracle_logits
 from tiny_models import FAMILIES, NATIVE, build_model, family_config, tiny_llama_config
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import rope_patch
 from rope_patch.hub import cache_dir
@@ -49,6 +50,8 @@ READABLE = {  # every method with a transformers spelling
 UNREADABLE = {  # methods without one: dynamic YaRN, attention-level, combined, a user's own, a config class refusing
     "dynamic_yarn": ("llama", "dynamic_yarn", {}),
     "self_extend": ("llama", "self_extend", {"group": 4, "window": 16}),
+    "dca": ("llama", "dca", {"chunk": 40, "local": 8}),
+    "yarn+dca": ("llama", "yarn:factor=2+dca:chunk=40,local=8", {}),
     "yarn+rerope": ("llama", "yarn:factor=2+rerope:window=16", {}),
     "user_method": ("llama", "legacy_test_half_theta", {}),
     "phi3_yarn": ("phi3", "yarn", {"factor": 2}),
@@ -161,7 +164,7 @@ def test_transformers_4_57_reads_every_patch_or_fails_loudly(tmp_path):
         assert "rope_patch:" in json.loads((folders[name] / "config.json").read_text())["rope_theta"]
 
 
-SAVES = [(f, m) for f in FAMILIES for m in ("linear", "dynamic_ntk", "yarn", "dynamic_yarn", "self_extend")]
+SAVES = [(f, m) for f in FAMILIES for m in ("linear", "dynamic_ntk", "yarn", "dynamic_yarn", "self_extend", "dca")]
 
 
 @pytest.mark.parametrize("family, method", SAVES)
@@ -183,14 +186,33 @@ def test_transformers_5_reads_the_legacy_keys_back_unchanged(tmp_path, family, m
         assert "rope_patch:" in theta and scaling is None
 
 
-def test_attention_methods_are_recorded_and_rope_patch_reapplies_them(tmp_path):
-    model = build_model(tiny_llama_config())
-    rope_patch.patch(model, "yarn:factor=2+rerope:window=16")
+@pytest.mark.parametrize("spec", ["yarn:factor=2+rerope:window=16", "self_extend:group=4,window=16",
+                                  "dca:chunk=40,local=8", "yarn:factor=2+dca:chunk=40,local=8"])
+def test_attention_methods_are_recorded_and_rope_patch_reapplies_them(tmp_path, spec):
+    """The saved config round trip: ``rope_patch.from_pretrained`` re-applies the whole patch (the logits of the
+    dense reference of ``attention_oracle``, which shares no code with rope_patch), ``unpatch`` gives back the saved
+    model, and plain transformers 5 loads the frequency half only (base RoPE, or YaRN's own spelling). Weights 10x the
+    default init, so that attention is far from uniform and the methods change the logits well beyond the tolerance."""
+    model = build_model(tiny_llama_config(initializer_range=0.2))
+    rope_patch.patch(model, spec)
     ids = token_ids(3 * NATIVE)
     with torch.no_grad():
         expected = model(ids).logits
     model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["rope_patch"]["label"] == spec
     ours = rope_patch.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
-    assert rope_patch.current_patch(ours)["label"] == "yarn:factor=2+rerope:window=16"
+    assert rope_patch.current_patch(ours)["label"] == spec
+    frequency, _, attention = spec.rpartition("+")
+    name, params = rope_patch.parse_method_spec(attention)
+    reference = build_model(tiny_llama_config(initializer_range=0.2))  # the same weights, unpatched
+    if frequency:
+        rope_patch.patch(reference, frequency)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours(ids).logits, oracle_logits(reference, ids, name, params), atol=1e-4, rtol=1e-4)
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+        torch.testing.assert_close(plain(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+        assert (plain(ids).logits - expected).abs().max() > 1e-3  # plain transformers does not run the method
+        rope_patch.unpatch(ours)
+        unpatched = build_model(tiny_llama_config(initializer_range=0.2))
+        torch.testing.assert_close(ours(ids).logits, unpatched(ids).logits, atol=1e-5, rtol=1e-5)

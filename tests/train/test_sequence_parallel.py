@@ -112,9 +112,11 @@ def test_heads_the_size_does_not_divide_are_refused():
     check_sequence_parallel(4, processes=4, seq_len=SEQ_LEN, model=model)  # 2 key/value heads divide 4: allowed
 
 
-def test_attention_level_methods_are_refused_with_the_reason():
-    with pytest.raises(ConfigError, match="two-band attention is not the core attention Ulysses wraps"):
-        FinetuneConfig(sequence_parallel=2, method="yarn:factor=2+self_extend:group=4,window=16")
+@pytest.mark.parametrize("spec", ["yarn:factor=2+self_extend:group=4,window=16", "dca:chunk=40,local=8",
+                                  "yarn:factor=2+dca:chunk=40,local=8"])
+def test_attention_level_methods_are_refused_with_the_reason(spec):
+    with pytest.raises(ConfigError, match="banded attention is not the core attention Ulysses wraps"):
+        FinetuneConfig(sequence_parallel=2, method=spec)
 
 
 def test_missing_deepspeed_names_the_extra(monkeypatch):

@@ -68,7 +68,7 @@ class EvalConfig(SweepConfig):
                               "to split the model")
         attention = [m for m in self.method if m != AS_LOADED and frequency_and_attention(m)[1]]
         if self.tp_plan is not None and attention:
-            raise ConfigError(f"--tp-plan cannot evaluate {attention[0]}: its two-band attention was not checked on "
+            raise ConfigError(f"--tp-plan cannot evaluate {attention[0]}: its banded attention was not checked on "
                               "tensor-parallel heads; evaluate attention-level methods without --tp-plan")
         if self.sequence_parallel > 1:
             check_eval_sequence_parallel(self.sequence_parallel, processes=self.sequence_parallel,

@@ -102,7 +102,7 @@ class FinetuneConfig(JobConfig):
             raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
         if self.sequence_parallel > 1 and frequency_and_attention(self.method)[1]:
-            raise ConfigError(f"--sequence-parallel cannot run {self.method}: its two-band attention is not the core "
+            raise ConfigError(f"--sequence-parallel cannot run {self.method}: its banded attention is not the core "
                               "attention Ulysses wraps; train a frequency method, add the attention method at eval")
         if self.sequence_parallel > 1 and self.attn_implementation == "eager":
             raise ConfigError("--sequence-parallel cannot use --attn-implementation eager, which builds a "
