@@ -1,7 +1,7 @@
 """Every ``bash`` and ``python`` block of the README and of docs/*.md runs, as written, on a tiny model.
 
 The blocks are written for users: the embedded SmolLM2-135M, lengths up to 16k and more. The test points
-``ROPE_PATCH_CACHE`` at a folder whose "embedded model" is a tiny random LLaMA (2 layers, 2 heads of SmolLM2's head dim
+``ROPE_PATCH_CACHE`` at a folder whose "embedded model" is a tiny random LLaMA (1 layer, 1 head of SmolLM2's head dim
 64, so searched LongRoPE factors fit it, and its native length of 8,192 and RoPE base) with a character tokenizer, so the same commands run in seconds: the
 package is not told it is under test, the block's text is not changed, and every flag, file, folder and
 Python call in it is exercised by the real code.
@@ -112,7 +112,8 @@ def tiny_cache(tmp_path_factory) -> Path:
     and base."""
     cache = tmp_path_factory.mktemp("docs-cache")
     folder = cache / "models" / DEFAULT_MODEL_NAME
-    config = tiny_llama_config(max_position_embeddings=8192, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+    config = tiny_llama_config(max_position_embeddings=8192, head_dim=64, num_attention_heads=1, num_key_value_heads=1,
+                               num_hidden_layers=1,
                                rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
     model = build_model(config)
     model.config._attn_implementation = "sdpa"

@@ -42,17 +42,22 @@ def run_child(context, argv, kill_at=0, after=False, points="export", **kwargs):
     return child
 
 
-def test_kill_9_at_every_write_and_rename_leaves_the_old_export_or_the_new(tiny_folder, tmp_path):
-    """Two exports, linear and yarn, replace each other. Killed before or after each folder made, file synced, hard
-    link, rename, exchange and delete, the folder holds one of the two whole exports (byte for byte as an
-    uninterrupted export writes it); the next export removes every leftover."""
-    model, _ = tiny_folder
-    out = tmp_path / "out"
+def two_exports(model, out) -> tuple[list[str], list[str], dict[str, str], dict[str, str]]:
+    """The yarn and the linear export of ``model`` into ``out`` (the linear one last, so ``out`` holds it): their
+    command lines and the files each leaves, byte for byte."""
     new, old = export_argv(model, out, "yarn:factor=2"), export_argv(model, out, "linear:factor=2")
     assert main(new) == 0
     new_files = files_on(out)
     assert main(old) == 0
-    old_files = files_on(out)
+    return new, old, new_files, files_on(out)
+
+
+def test_kill_9_at_every_write_and_rename_leaves_the_old_export_or_the_new(tiny_folder, tmp_path):
+    """Two exports, linear and yarn, replace each other. Killed before or after each folder made, file synced, hard
+    link, rename, exchange and delete, the folder holds one of the two whole exports (byte for byte as an
+    uninterrupted export writes it); the next export removes every leftover."""
+    out = tmp_path / "out"
+    new, old, new_files, old_files = two_exports(tiny_folder[0], out)
     assert new_files != old_files and {"model.safetensors", "config.json", RECORD} <= set(old_files)
     context = forkserver()
     count_file = tmp_path / "count"
@@ -82,13 +87,8 @@ def test_kill_9_at_every_write_and_rename_leaves_the_old_export_or_the_new(tiny_
 def test_kill_9_at_seeded_moments_leaves_a_whole_export(tiny_folder, tmp_path):
     """Kills at seeded random moments of the whole run (loading, writing the weights, swapping), not only at the
     instrumented calls."""
-    model, _ = tiny_folder
     out = tmp_path / "out"
-    new, old = export_argv(model, out, "yarn:factor=2"), export_argv(model, out, "linear:factor=2")
-    assert main(new) == 0
-    new_files = files_on(out)
-    assert main(old) == 0
-    old_files = files_on(out)
+    new, old, new_files, old_files = two_exports(tiny_folder[0], out)
     context = forkserver()
     started = time.monotonic()
     child = run_child(context, new)
