@@ -7,10 +7,10 @@ package is not told it is under test, the block's text is not changed, and every
 Python call in it is exercised by the real code.
 
 The blocks of one page run in order, in one temporary folder (with ``configs`` and ``scripts`` linked into it, as in a
-checkout) and,
-for Python, one namespace: a page reads top to bottom, and a later block may use what an earlier one wrote (the
-fine-tune a later ``eval`` scores). A ``rope-patch ...`` line runs in this process through ``rope_patch.cli.main``
-(exit status 0 expected); any other line runs in ``bash``.
+checkout) and, for Python, one namespace: a page reads top to bottom, and a later block may use what an earlier one
+wrote (the fine-tune a later ``eval`` scores); a block selected alone (``-m slow``, ``-k``) first runs the blocks above
+it. A ``rope-patch ...`` line runs in this process through ``rope_patch.cli.main`` (exit status 0 expected); any other
+line runs in ``bash``.
 
 HTML comments on the lines right before a block's opening fence change that, visibly in the page's source:
 
@@ -144,7 +144,7 @@ def test_every_block_runs(item, tiny_cache, tmp_path_factory, monkeypatch):
         assert kind in SKIP_KINDS, f"{block_id(item)}: skip kind {kind!r} is not one of {sorted(SKIP_KINDS)}"
         pytest.skip(f"{SKIP_KINDS[kind]}: {why.strip()}")
     if page not in PAGE_STATE:
-        PAGE_STATE[page] = {"folder": tmp_path_factory.mktemp(page.stem), "namespace": {}}
+        PAGE_STATE[page] = {"folder": tmp_path_factory.mktemp(page.stem), "namespace": {}, "ran": set()}
     state = PAGE_STATE[page]
     folder = state["folder"]
     for name in ("configs", "scripts"):  # as in a checkout: a block may name a config or run a script
@@ -152,13 +152,24 @@ def test_every_block_runs(item, tiny_cache, tmp_path_factory, monkeypatch):
             (folder / name).symlink_to(ROOT / name)
     monkeypatch.chdir(folder)
     monkeypatch.setenv("ROPE_PATCH_CACHE", str(tiny_cache))
+    # a page reads top to bottom: the blocks above this one that this session has not run (deselected by -m or -k)
+    # run first, so that the block finds what they define or write
+    for earlier in [other for other_page, other in BLOCKS if other_page == page and other["line"] < block["line"]]:
+        if "skip" not in earlier["markers"] and earlier["line"] not in state["ran"]:
+            run_block(page, earlier, state)
+    run_block(page, block, state)
+
+
+def run_block(page: Path, block: dict, state: dict) -> None:
+    """One block in the page's folder (the current one) and namespace, as its markers shrink it."""
+    state["ran"].add(block["line"])
     text = shrunk(block)
     where = f"{page.name} line {block['line']}"
     if block["language"] == "python":
         exec(compile(text, where, "exec"), state["namespace"])  # noqa: S102 - the page's own code
         return
     for line in shell_lines(text):
-        run_shell_line(line, folder, where)
+        run_shell_line(line, state["folder"], where)
 
 
 def run_shell_line(line: str, folder: Path, where: str) -> None:
