@@ -152,10 +152,10 @@ def test_every_block_runs(item, tiny_cache, tmp_path_factory, monkeypatch):
             (folder / name).symlink_to(ROOT / name)
     monkeypatch.chdir(folder)
     monkeypatch.setenv("ROPE_PATCH_CACHE", str(tiny_cache))
-    # a page reads top to bottom: the blocks above this one that this session has not run (deselected by -m or -k)
-    # run first, so that the block finds what they define or write
+    # a page reads top to bottom: the blocks above this one that this session has not run (deselected by -k, or
+    # by -m slow) run first, so that the block finds what they define or write; a slow block is never a prerequisite
     for earlier in [other for other_page, other in BLOCKS if other_page == page and other["line"] < block["line"]]:
-        if "skip" not in earlier["markers"] and earlier["line"] not in state["ran"]:
+        if not {"skip", "slow"} & set(earlier["markers"]) and earlier["line"] not in state["ran"]:
             run_block(page, earlier, state)
     run_block(page, block, state)
 
