@@ -92,7 +92,11 @@ METHODS = {
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
+    """The message on one line, a set of strings in it sorted (its printed order follows the process's string hash
+    seed, so the committed table would differ from run to run)."""
+    text = " ".join(str(error).split())
+    return re.sub(r"\{('[^'{}]*'(?:, '[^'{}]*')+)\}",
+                  lambda match: "{" + ", ".join(sorted(match.group(1).split(", "))) + "}", text)
 
 
 def _oracle_rope(model_type: str, entries: dict) -> dict:
