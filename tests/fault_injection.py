@@ -4,12 +4,15 @@ Run in a child process by tests/train/test_checkpoints.py and tests/jobs/test_ex
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import transformers.models.llama.modeling_llama  # noqa: F401  imported by the forkserver once, not by each child
@@ -53,3 +56,14 @@ def run_until_killed(argv: list[str], kill_at: int, after: bool, points: str = "
         with open(count_into, "w") as f:
             f.write(str(count))
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def held_by_another_finetune(folder: Path) -> Iterator[None]:
+    """``folder``'s lock held as another rope-patch fine-tune holds it (an open file description of its own: flock
+    keeps them apart even within one process), with that process's line "rope-patch finetune (pid 1 on elsewhere)"."""
+    with open(folder / rope_patch.files.LOCK_NAME, "a+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        other.write("rope-patch finetune (pid 1 on elsewhere)\n")
+        other.flush()
+        yield

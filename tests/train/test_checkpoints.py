@@ -4,7 +4,6 @@ full disk: the final weights equal an uninterrupted run's, and no finished check
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -24,10 +23,9 @@ import rope_patch.train.loop as loop
 from rope_patch.cli import main as cli_main
 from rope_patch.cli import with_resume
 from rope_patch.errors import ConfigError
-from rope_patch.files import LOCK_NAME
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.train.checkpoints import save_checkpoint
-from fault_injection import run_until_killed
+from fault_injection import held_by_another_finetune, run_until_killed
 from tiny_models import write_training_workspace
 
 SEQ_LEN = 96
@@ -95,10 +93,7 @@ def test_a_second_fine_tune_on_a_folder_in_use_is_refused(workspace, tmp_path):
     within one process) keeps a second run out, before any work."""
     output = tmp_path / "b"
     output.mkdir()
-    with open(output / LOCK_NAME, "a+") as other:
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        other.write("rope-patch finetune (pid 1 on elsewhere)\n")
-        other.flush()
+    with held_by_another_finetune(output):
         with pytest.raises(ConfigError, match=r"in use by rope-patch finetune \(pid 1 on elsewhere\); wait"):
             finetune(**options(workspace, output))
     assert not (output / "checkpoints").exists()

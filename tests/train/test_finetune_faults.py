@@ -130,17 +130,12 @@ def test_a_refusal_under_accelerate_launch_is_one_line_from_every_process(worksp
     (torch.distributed.elastic) ends the other processes with SIGTERM as soon as the first one exits, so on a busy
     machine the slower one may be stopped before it prints: that is the launcher's choice, not a rope-patch fault.
     What follows our line is accelerate's own report of the exit codes, which rope-patch does not print."""
-    import fcntl
-
     from cpu_launch import launch_job
-    from rope_patch.files import LOCK_NAME
+    from fault_injection import held_by_another_finetune
 
     output = tmp_path / "busy"
     output.mkdir()
-    with open(output / LOCK_NAME, "a+") as other:
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        other.write("rope-patch finetune (pid 1 on elsewhere)\n")
-        other.flush()
+    with held_by_another_finetune(output):
         settings = dict(model=workspace / "tiny", dataset=workspace / "corpus", seq_len=96, steps=2,
                         output=output, gradient_checkpointing=False)
         run = launch_job("finetune", settings, processes=2, timeout=600, check=False)
