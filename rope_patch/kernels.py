@@ -13,6 +13,11 @@ instance-level forward that swaps the name in for the duration of its own call (
 checkpointing included). The kernel applies the ``cos``/``sin`` that the rotary module produces, so a rope_patch
 patch (which rewrites the rotary module's frequencies) is kept. ``remove_kernels`` restores the instance exactly.
 
+Each family gets the kernels Liger's own function turns on by default (``liger_options``): a switch that defaults to
+off marks a kernel Liger lacks there (GLM-4's RoPE, whose switch raises NotImplementedError), so that kernel is left
+out and one line on stderr says so. Any other error raised inside liger-kernel's patching becomes one
+``KernelsUnavailableError`` line, with the model and transformers put back as they were.
+
 Without a GPU, Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before liger-kernel is imported) runs
 the kernels on CPU tensors, slowly: for checking, not for speed. There the RoPE kernel and the fused linear
 cross-entropy run and are exact; RMSNorm and the gated MLPs fail inside the interpreter (Liger calls ``.to`` on a scalar
@@ -51,7 +56,8 @@ LIGER_OPTIONS = {"cross_entropy": False, "fused_linear_cross_entropy": False}
 EXPECTED_KERNELS = ("rope", "rms_norm", "swiglu")
 # The kernels of Liger's patch functions that run in Triton's interpreter (with the fused loss of liger_head_loss).
 INTERPRETER_OPTIONS = ("rope",)
-KERNEL_LABELS = {"rope": "RoPE application", "rms_norm": "RMSNorm", "swiglu": "SwiGLU MLP", "geglu": "GeGLU MLP", "layer_norm": "LayerNorm",
+KERNEL_LABELS = {"rope": "RoPE application", "rms_norm": "RMSNorm", "swiglu": "SwiGLU MLP", "geglu": "GeGLU MLP",
+                 "layer_norm": "LayerNorm",
                  "relu_squared": "ReLU² MLP"}
 
 

@@ -80,8 +80,8 @@ elif [ -d "$WHEELS" ]; then
 else
   SETUP=("$PY" -c "print('no wheel folder $WHEELS (make gpu-wheels): the environment is used as it is')")
 fi
-stage setup 120 bash -c "$(printf '%q ' "${SETUP[@]}") && $(printf '%q' "$PY") -c 'import torch, rope_patch.jobs, pytest; \
-print(\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available())'"
+IMPORTS='import torch, rope_patch.jobs, pytest; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
+stage setup 120 bash -c "$(printf '%q ' "${SETUP[@]}") && $(printf '%q ' "$PY" -c "$IMPORTS")"
 
 # the CUDA tests: every file with a cuda mark
 mapfile -t CUDA_FILES < <(grep -rl --include='*.py' 'pytest.mark.cuda' tests | sort)

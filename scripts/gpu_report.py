@@ -204,8 +204,9 @@ def main() -> int:
     path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
     m = result["machine"]
     gpu = f"{m['gpu']} ({m['gpu_memory_gib']} GiB, driver {m.get('driver')})" if m.get("gpu") else "no GPU"
+    dry = "; dry run on CPU, tiny shapes" if result["dry_run"] else ""
     print(f"# {gpu}, torch {m.get('torch')} (CUDA {m.get('cuda')}), transformers {m.get('transformers')}, liger-kernel "
-          f"{m.get('liger-kernel')}, Python {m['python']}{'; dry run on CPU, tiny shapes' if result['dry_run'] else ''}")
+          f"{m.get('liger-kernel')}, Python {m['python']}{dry}")
     print(table(result["stages"]))
     print(f"all results: {path}")
     bad = [s["stage"] for s in result["stages"] if s["status"] != "ok"]

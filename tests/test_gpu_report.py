@@ -42,9 +42,9 @@ def stage_folder(root: Path) -> Path:
                                                      "seconds": 1.5, "tokens_per_s": 21845.3, "mfu": 0.5,
                                                      "peak_mem_gib": float("nan")}]))
     # killed by its timeout: no --json file, the rows it printed as it went, then a traceback
-    (run / "eval_dca.log").write_text('# header\n{"method": "dca", "variant": "ours", "path": "fused", "tokens": 32768, '
-                                      '"seconds_per_window": 3.6, "tokens/s": 9000, "MFU": 0.2, "peak_gib": 16.7}\n'
-                                      'Traceback (most recent call last):\nKeyboardInterrupt\n')
+    (run / "eval_dca.log").write_text('# header\n{"method": "dca", "variant": "ours", "path": "fused", '
+                                      '"tokens": 32768, "seconds_per_window": 3.6, "tokens/s": 9000, "MFU": 0.2, '
+                                      '"peak_gib": 16.7}\nTraceback (most recent call last):\nKeyboardInterrupt\n')
     (run / "finetune.json").write_text('{"rows": [{"vari')  # half written
     (run / "finetune.log").write_text("usage: ...\nbench_finetune.py: error: unrecognized arguments: --until-oom\n")
     return run
