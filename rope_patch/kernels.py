@@ -201,7 +201,9 @@ def liger_options(apply_fn: Callable, interpreter: bool) -> tuple[dict[str, bool
 def apply_instance_patch(model: nn.Module, patch_globally: Callable[[], None], name: str, family: str) -> KernelState:
     """Run ``patch_globally`` (a function that patches the model instance and module-level names, as Liger's do),
     keep its changes on the instance, undo those on modules, and bring back its RoPE function for this model only.
-    If it fails, the model is left as it was."""
+    If it fails, the model is left as it was, kernels it had before included."""
+    previous = kernels_state(model)
+    kept = [(owner, key, vars(owner).get(key, _MISSING)) for owner, key, _ in previous.changes] if previous else []
     remove_kernels(model)
     before = {id(m): (m, dict(vars(m))) for m in model.modules()}
     state = KernelState(name, family)
@@ -215,6 +217,13 @@ def apply_instance_patch(model: nn.Module, patch_globally: Callable[[], None], n
     except BaseException:
         state.changes = _instance_changes(before)
         remove_kernels(model)
+        for owner, key, value in kept:  # the kernels the model had before this call, as they were
+            if value is _MISSING:
+                vars(owner).pop(key, None)
+            else:
+                vars(owner)[key] = value
+        if previous is not None:
+            setattr(model, STATE_ATTR, previous)
         raise
     state.changes = _instance_changes(before)
     return state

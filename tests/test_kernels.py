@@ -246,6 +246,25 @@ def test_a_patch_function_failing_half_way_leaves_the_model_as_it_was(tiny_llama
     assert modeling_llama.LlamaMLP is not None
 
 
+def test_a_second_patch_failing_keeps_the_kernels_the_model_had(tiny_llama):
+    before, dicts = logits(tiny_llama), instance_dicts(tiny_llama)
+    rope = Counter(modeling_llama.apply_rotary_pos_emb)
+    first = apply_instance_patch(tiny_llama, liger_like(tiny_llama, rope), "liger", "llama")
+    with_kernels = instance_dicts(tiny_llama)
+
+    def fails():
+        liger_like(tiny_llama, reference_rope)()
+        raise RuntimeError("triton said no")
+
+    with pytest.raises(RuntimeError, match="triton said no"):
+        apply_instance_patch(tiny_llama, fails, "liger", "llama")
+    assert kernels_state(tiny_llama) is first and instance_dicts(tiny_llama) == with_kernels
+    calls = rope.calls
+    torch.testing.assert_close(logits(tiny_llama), before, rtol=0, atol=0)
+    assert rope.calls == calls + 2  # the first kernels still run
+    assert remove_kernels(tiny_llama) and instance_dicts(tiny_llama) == dicts
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text", "phi3", "llama4_text"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_liger_itself_patches_only_the_instance_and_comes_off_exactly(family, lora):
