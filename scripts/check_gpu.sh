@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 DRY=${CHECK_GPU_DRY:-0}
-BUDGET=${CHECK_GPU_BUDGET:-520}  # seconds for all stages: 9 minutes less set-up and the report
+BUDGET=${CHECK_GPU_BUDGET:-500}  # seconds for all stages: 9 minutes less the report and the kill grace of a hang
 STAMP=$(date -u +%Y-%m-%dT%H-%M-%SZ)
 RUNS=${CHECK_GPU_RUNS:-runs/check_gpu}
 OUT=$RUNS/$STAMP
