@@ -21,6 +21,7 @@ from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_
 from ..eval.store import open_store
 from ..eval.sweep import method_entries
 from ..patching import input_device, native_length
+from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
 from .configs.eval import EvalConfig
 
@@ -114,7 +115,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
         model, config.sequence_parallel, rank=rank, world=world)
     if config.tp_plan is not None:  # every process takes part in every window
         shards = contextlib.nullcontext(SequenceShards(SequenceLayout.of(world, rank, world), group=None))
-    with fast_path(model, config.kernels), shards as sharding:
+    with fast_path(model, config.kernels), shards as sharding, CONTROL.stoppable(model):
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
                                      batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,
                                      setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress)

@@ -15,6 +15,7 @@ from ..eval.harness_report import add_difference_to_reference, format_table, sho
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
+from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
 from .configs.lm_eval import LmEvalConfig
 from .engine_settings import model_folder, vllm_serving
@@ -79,7 +80,7 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
         engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,
                             dtype=loaded.dtype, tensor_parallel_size=config.tensor_parallel_size,
                             data_parallel_size=config.data_parallel_size, tolerance=config.engine_tolerance)
-    with fast_path(loaded.model, config.kernels):
+    with fast_path(loaded.model, config.kernels), CONTROL.stoppable(loaded.model):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
             max_length=window, batch_size=config.batch_size, limit=config.limit,

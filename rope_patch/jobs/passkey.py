@@ -11,6 +11,7 @@ from ..eval.passkey_report import format_table, short_cost_table, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
+from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
 from .configs.passkey import PasskeyConfig
 
@@ -54,7 +55,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
 
 
 def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) -> PasskeyResult:
-    with fast_path(loaded.model, config.kernels):
+    with fast_path(loaded.model, config.kernels), CONTROL.stoppable(loaded.model):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
                                    setup=config.setup(loaded), progress=config.progress)

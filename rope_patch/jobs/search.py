@@ -37,6 +37,7 @@ from ..eval.sweep import model_setup
 from ..methods.frequency import rope_longrope
 from ..methods.evolution import Scored, SearchTrace, evolve, method_factors, yarn_factors
 from ..patching import input_device, native_length, primary_rotary, rotary_setup
+from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
 from .configs.eval import BOS_CHOICES
 from .configs.search import SearchConfig
@@ -156,7 +157,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         bar.update()
 
     start = yarn_factors(base, factor)
-    with fast_path(model, config.kernels):
+    with fast_path(model, config.kernels), CONTROL.stoppable(model):
         if config.max_short_cost is not None:
             short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
                                                          KEY_FIELDS, job=JOB))
