@@ -57,21 +57,30 @@ def load_documents(
     """
     if source in (None, "", DEFAULT_CORPUS, "default"):
         return stdlib_corpus()
-    if not isinstance(source, (str, os.PathLike)) or "\0" in str(source):
-        raise DataError(f"data source {source!r} is not a file, folder or data set name: give one as text, "
-                        "without NUL characters")
+    check_source(source)
     path = Path(source).expanduser()
     if path.exists():
         documents = _load_local(path, text_field)
-    elif path.suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
-        raise DataError(f"data file or folder {str(source)!r} does not exist; give a .txt/.jsonl/.parquet file, "
-                        "a folder of them, or a hub data set name")
     else:
         documents = _load_hub(str(source), split or "test", text_field, subset)
     documents = [d for d in documents if d.text.strip()]
     if not documents:
         raise DataError(f"{str(source)!r} holds no non-empty text; check --text-field or the files")
     return documents
+
+
+def check_source(source: str | os.PathLike | None) -> None:
+    """Refuse at once (before a model loads) a data source that cannot be one: not text, or a local-looking path
+    (a file suffix, or starting with ``.``, ``/``, ``~``) that does not exist."""
+    if source in (None, "", DEFAULT_CORPUS, "default"):
+        return
+    if not isinstance(source, (str, os.PathLike)) or "\0" in str(source):
+        raise DataError(f"data source {source!r} is not a file, folder or data set name: give one as text, "
+                        "without NUL characters")
+    path = Path(source).expanduser()
+    if not path.exists() and (path.suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~"))):
+        raise DataError(f"data file or folder {str(source)!r} does not exist; give a .txt/.jsonl/.parquet file, "
+                        "a folder of them, or a hub data set name")
 
 
 def stdlib_corpus() -> list[Document]:

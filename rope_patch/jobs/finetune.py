@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from ..data import PackedSequences
+from ..data.documents import check_source
 from ..errors import RopePatchError
 from ..kernels import apply_kernels, head_loss_for, preferred_attention, remove_kernels
 from ..loading import load_model
@@ -37,6 +38,7 @@ from ..train.lora import add_lora, save_only_trainable_weights
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
 from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
+from .preflight import check_output_writable
 from .configs.finetune import FinetuneConfig
 
 # Settings that change the trained weights, besides the model's and the training tokens' fingerprints, the global
@@ -66,6 +68,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     Ctrl-C or SIGTERM saves a checkpoint at the end of the step and raises
     ``TrainingInterrupted`` (a KeyboardInterrupt) saying how to resume."""
     config = FinetuneConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
+    check_source(config.dataset)  # a data file that does not exist, before minutes of loading
     try:
         forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
         mixed = {"auto": "bf16" if torch.cuda.is_available() else "no",

@@ -17,6 +17,7 @@ from ..eval.sweep import method_entries
 from ..patching import native_length
 from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.lm_eval import LmEvalConfig
 from .engine_settings import model_folder, vllm_serving
 
@@ -58,6 +59,7 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     """
     options, loaded = split_loaded(options)
     config = LmEvalConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)

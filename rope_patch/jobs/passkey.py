@@ -13,6 +13,7 @@ from ..eval.sweep import method_entries
 from ..patching import native_length
 from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.passkey import PasskeyConfig
 
 
@@ -47,6 +48,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length, config.layer_types)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None

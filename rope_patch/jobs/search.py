@@ -39,6 +39,7 @@ from ..methods.evolution import Scored, SearchTrace, evolve, method_factors, yar
 from ..patching import input_device, native_length, primary_rotary, rotary_setup
 from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.eval import BOS_CHOICES
 from .configs.search import SearchConfig
 
@@ -107,6 +108,7 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     """
     options, loaded = split_loaded(options)
     config = SearchConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     with contextlib.ExitStack() as stack:  # the output folder held, and the stores closed, on success and on error
         stack.enter_context(output_folder(config.output, job=JOB))
         return _search(config, loaded, stack)
