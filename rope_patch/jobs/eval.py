@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
+from ..data.heldout import leave_out_training
 from ..data import documents_fingerprint, load_documents, select_documents, tokenize_documents
 from ..errors import ConfigError
 from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate
@@ -93,6 +95,12 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     settle_native_length(model, config.native_length, config.layer_types)
     with accelerator.main_process_first():
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
+    tokenized, left_out = leave_out_training(tokenized, config.model, allow=config.allow_training_documents,
+                                             verb="score")
+    if left_out and accelerator.is_main_process:
+        print(f"{JOB}: leaving out {len(left_out)} document(s) {config.model} was fine-tuned on "
+              f"({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''}); --allow-training-documents "
+              "scores them", file=sys.stderr)
     protocol = config.protocol_with(config.window_prefix(loaded.tokenizer))
     protocol.check(config.lengths)
     chosen, skipped = select_documents(tokenized, protocol.min_tokens(max(config.lengths)), config.documents,
@@ -106,7 +114,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
                 "skipped": skipped, "seed": config.seed, "batch_size": config.batch_size,
                 "native_length": native_length(model), "processes": accelerator.num_processes,
                 "sequence_parallel": config.sequence_parallel, "tp_plan": config.tp_plan,
-                "output": config.output}
+                "output": config.output, "left_out_training": left_out}
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
     with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read

@@ -22,6 +22,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from ..data import PackedSequences
 from ..data.documents import check_source
+from ..data.heldout import write_training_manifest
 from ..errors import RopePatchError
 from ..kernels import apply_kernels, head_loss_for, preferred_attention, remove_kernels
 from ..loading import load_model
@@ -118,7 +119,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
                                            num_documents=config.documents, exclude=config.exclude_documents,
-                                           split=config.split, text_field=config.text_field, subset=config.subset)
+                                           split=config.split, text_field=config.text_field, subset=config.subset,
+                                           hold_out=True)  # the corpus's test part is never trained on
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
     key |= {"layer_types": config.layer_types} if config.layer_types else {}  # older runs' keys stay as they were
     key |= {"method": method_label(name, params),  # an @FILE spec by its content
@@ -160,6 +162,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                           f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
                           f"; {engine_name(accelerator)}")
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
+        write_training_manifest(output, config.dataset, data.trained)  # what an eval of this folder leaves out
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
         else nullcontext()
