@@ -21,12 +21,13 @@ from ..eval.perplexity_report import REFERENCE, format_table, summarize, write_r
 from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.store import open_store
-from ..eval.sweep import method_entries
+from ..eval.sweep import method_entries, positions_follow_length
 from ..patching import input_device, native_length
 from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
 from .preflight import check_output_writable
 from .configs.eval import EvalConfig
+from .plans import eval_plan, show_plan
 
 JOB = "rope-patch eval"
 @dataclass
@@ -108,6 +109,9 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     probe = torch.as_tensor(chosen[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe if not protocol.bos else torch.cat([probe.new_full((1, 1), protocol.bos_id), probe], 1))
 
+    plan = eval_plan(config.method, config.lengths, lambda tokens, n: len(protocol.windows(0, tokens, n)),
+                     [len(d) for d in chosen], protocol=config.protocol, shared=not positions_follow_length(model))
+    show_plan(plan, model, JOB, progress=config.progress and accelerator.is_main_process)
     settings = {"model": loaded.label, "dtype": loaded.dtype, "data": config.dataset or "stdlib (embedded default corpus)",
                 "split": config.split, "text_field": config.text_field, "protocol": config.protocol,
                 "stride": protocol.effective_stride, "bos": protocol.bos, "documents": [d.id for d in chosen],

@@ -41,6 +41,7 @@ from ..train.loop import (TrainingProgress, enable_activation_checkpointing, for
 from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
 from .preflight import check_output_writable
 from .configs.finetune import FinetuneConfig
+from .plans import finetune_plan, show_plan
 
 # Settings that change the trained weights, besides the model's and the training tokens' fingerprints, the global
 # batch and the precision: each checkpoint is keyed on them, and a run resumes only its own checkpoints. How the work
@@ -166,6 +167,11 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
         else nullcontext()
+    if accelerator.is_main_process:
+        sequences = config.batch_size * config.grad_accum * layout.replicas
+        alone = accelerator.num_processes == 1 and accelerator.distributed_type == DistributedType.NO
+        show_plan(finetune_plan(config.steps - progress.step, sequences, config.seq_len),
+                  patched if alone else None, "rope-patch finetune", progress=config.progress)  # timed in one process
     stop.armed = True  # from now on a signal finishes the step and saves; the final model is saved in any case
     with preferred_attention(), sequence_parallel:
         try:

@@ -3,6 +3,8 @@ with each method in turn, in one resumable run."""
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,11 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
         engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,
                             dtype=loaded.dtype, tensor_parallel_size=config.tensor_parallel_size,
                             data_parallel_size=config.data_parallel_size, tolerance=config.engine_tolerance)
+    if config.progress:  # how many requests a task makes is known inside the harness only: no estimate here
+        methods = len(method_entries(loaded.model, config.method))
+        print(f"rope-patch lm-eval: plan: {methods} method(s) x {len(config.tasks)} task(s) "
+              f"({', '.join(config.tasks)}), window {window if window else 'per max_seq_lengths'}; not timed (the "
+              "harness's bar shows each run's progress); --limit shrinks it", file=sys.stderr, flush=True)
     with fast_path(loaded.model, config.kernels), CONTROL.stoppable(loaded.model):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,

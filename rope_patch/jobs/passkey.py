@@ -15,6 +15,7 @@ from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
 from .preflight import check_output_writable
 from .configs.passkey import PasskeyConfig
+from .plans import passkey_plan, show_plan
 
 
 @dataclass
@@ -57,6 +58,9 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
 
 
 def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) -> PasskeyResult:
+    methods = len(method_entries(loaded.model, config.method))
+    show_plan(passkey_plan(methods, config.lengths, len(config.depths), config.trials, config.max_new_tokens),
+              loaded.model, "rope-patch passkey", progress=config.progress)
     with fast_path(loaded.model, config.kernels), CONTROL.stoppable(loaded.model):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,

@@ -38,6 +38,7 @@ from ..methods.frequency import rope_longrope
 from ..methods.evolution import Scored, SearchTrace, evolve, method_factors, yarn_factors
 from ..patching import input_device, native_length, primary_rotary, rotary_setup
 from ..stopping import CONTROL
+from .plans import search_plan, show_plan
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
 from .preflight import check_output_writable
 from .configs.eval import BOS_CHOICES
@@ -150,6 +151,9 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                              store=store, setup=setup, loss_chunk=config.loss_chunk)
     evolution = config.evolution()
     budget = min(config.candidates or evolution.candidates, evolution.candidates)
+    compared = 2 + len(config.method or COMPARED)
+    show_plan(search_plan(budget, config.target_length, len(heldin), compared, len(heldout)), model, JOB,
+              progress=config.progress)
     bar = tqdm(total=budget, unit="candidate", desc="search", disable=not config.progress, dynamic_ncols=True)
     best = [float("inf")]
 
