@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # torch is imported where hooks are installed: `rope-patch --
     from torch import nn
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+TILED_FROM = 8192  # forwards of this many tokens or more run SDPA over query tiles, the stop checked between them
+STOP_TILE = 2048  # queries per tile: a 32k-token layer's attention in 16 steps
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
 
 
@@ -121,11 +123,57 @@ class StopControl:
             hooks += [child.register_forward_pre_hook(before_part) for child in layer.children()]
         self.armed += 1
         try:
-            yield
+            with self._sdpa_in_query_tiles():
+                yield
         finally:
             self.armed -= 1
             for hook in hooks:
                 hook.remove()
+
+    @contextlib.contextmanager
+    def _sdpa_in_query_tiles(self) -> Iterator[None]:
+        """transformers' SDPA attention, for the block, run over query tiles of ``STOP_TILE`` rows when a forward has
+        ``TILED_FROM`` tokens or more, the stop checked between tiles: one layer's attention over 32k tokens is
+        minutes on a CPU, a tile seconds. Each tile attends to the keys up to its last query (causal), under the
+        model's own mask where it passes one; the same attention, in another summation order."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        had_local = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+        previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
+        whole = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = self._tiled(whole)
+        try:
+            yield
+        finally:
+            if had_local:
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+            else:
+                del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def _tiled(self, whole: Callable) -> Callable:
+        import torch
+
+        def sdpa_by_query_tiles(module, query, key, value, attention_mask, *args, **kwargs):
+            length = query.shape[2]  # query: (B, H, L, D)
+            plain = (length < TILED_FROM or key.shape[2] != length or args or kwargs.get("dropout", 0.0)
+                     or kwargs.get("position_bias") is not None or kwargs.get("is_causal") is False
+                     or (attention_mask is not None and attention_mask.shape[-1] != length))
+            if plain:
+                return whole(module, query, key, value, attention_mask, *args, **kwargs)
+            kwargs.pop("is_causal", None)
+            outputs = []
+            for start in range(0, length, STOP_TILE):
+                self.check("during a forward")
+                end = min(length, start + STOP_TILE)
+                if attention_mask is None:  # causal: row i of the tile sees keys 0 .. start + i
+                    mask = torch.ones(end - start, end, dtype=torch.bool, device=query.device).tril(diagonal=start)
+                else:
+                    mask = attention_mask[..., start:end, :end]
+                out, _ = whole(module, query[:, :, start:end], key[:, :, :end], value[:, :, :end], mask,
+                               is_causal=False, **kwargs)
+                outputs.append(out)  # (B, tile, H, D)
+            return torch.cat(outputs, dim=1), None
+        return sdpa_by_query_tiles
 
     def _layer_hook(self, index: int, count: int):
         def before_layer(_module, _args) -> None:
