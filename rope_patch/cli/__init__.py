@@ -151,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     verb = next((a for a in args if a in JOBS), "")
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warnings(verb)
-        return _main(argv, args, verb)
+        code = _main(argv, args, verb)
+    if code == INTERRUPTED_STATUS and argv is None:  # the command itself (not a caller in Python): leave now
+        sys.stdout.flush()  # everything finished is on disk; tearing down the model's memory can take many seconds
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _main(argv: list[str] | None, args: list[str], verb: str) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from ..eval.perplexity_report import cost_text
 from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, short_context_cost,
                                transformers_snippet)
 from ..eval.search_report import format_table, write_reports
+from ..data.heldout import leave_out_training
 from ..files import atomic_write, output_folder
 from ..eval.store import open_store
 from ..eval.sweep import model_setup
@@ -126,8 +128,11 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     factor = config.factor or config.target_length / native
     base = rotary_setup(model, *primary_rotary(model)[1:])
     protocol = Protocol("truncate", None, resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
-    heldin, heldout = choose_documents(tokenize_documents(loaded.tokenizer, corpus),
-                                       protocol.min_tokens(config.target_length), config)
+    tokenized, left_out = leave_out_training(tokenize_documents(loaded.tokenizer, corpus), config.model,
+                                             allow=False, verb="search")
+    if left_out:
+        print(f"{JOB}: leaving out {len(left_out)} document(s) {config.model} was fine-tuned on", file=sys.stderr)
+    heldin, heldout = choose_documents(tokenized, protocol.min_tokens(config.target_length), config)
     probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe)
 
