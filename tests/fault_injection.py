@@ -75,7 +75,7 @@ def run_interrupted_at_layer(argv: list[str], interrupt_at: int, signals: int, c
     the first; 0: never), as a Ctrl-C lands in the middle of a long forward, then ``hold_s`` seconds inside that layer
     (a long attention call). ``counts_into`` receives "layers started, layers started after the signals, exit
     status"; the exit status is the process's."""
-    from rope_patch.stopping import CONTROL, decoder_layers  # noqa: F401  (the listener the command line installs)
+    from rope_patch.stopping import CONTROL  # the listener the command line installs
 
     os.dup2(os.open(stderr_into, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     started, after = 0, 0

@@ -5,7 +5,6 @@ flag that shrinks the run."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rope_patch import run_eval
 from rope_patch.data import Document
