@@ -21,6 +21,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from ..data import PackedSequences
+from ..data.documents import check_source
+from ..data.heldout import write_training_manifest
 from ..errors import RopePatchError
 from ..kernels import apply_kernels, head_loss_for, preferred_attention, remove_kernels
 from ..loading import load_model
@@ -37,7 +39,9 @@ from ..train.lora import add_lora, save_only_trainable_weights
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
 from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
+from .preflight import check_output_writable
 from .configs.finetune import FinetuneConfig
+from .plans import finetune_plan, show_plan
 
 # Settings that change the trained weights, besides the model's and the training tokens' fingerprints, the global
 # batch and the precision: each checkpoint is keyed on them, and a run resumes only its own checkpoints. How the work
@@ -66,6 +70,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     Ctrl-C or SIGTERM saves a checkpoint at the end of the step and raises
     ``TrainingInterrupted`` (a KeyboardInterrupt) saying how to resume."""
     config = FinetuneConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
+    check_source(config.dataset)  # a data file that does not exist, before minutes of loading
     try:
         forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
         mixed = {"auto": "bf16" if torch.cuda.is_available() else "no",
@@ -114,7 +120,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
                                            num_documents=config.documents, exclude=config.exclude_documents,
-                                           split=config.split, text_field=config.text_field, subset=config.subset)
+                                           split=config.split, text_field=config.text_field, subset=config.subset,
+                                           hold_out=True)  # the corpus's test part is never trained on
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
     key |= {"layer_types": config.layer_types} if config.layer_types else {}  # older runs' keys stay as they were
     key |= {"method": method_label(name, params),  # an @FILE spec by its content
@@ -156,9 +163,15 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                           f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
                           f"; {engine_name(accelerator)}")
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
+        write_training_manifest(output, config.dataset, data.trained)  # what an eval of this folder leaves out
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
         else nullcontext()
+    if accelerator.is_main_process:
+        sequences = config.batch_size * config.grad_accum * layout.replicas
+        alone = accelerator.num_processes == 1 and accelerator.distributed_type == DistributedType.NO
+        show_plan(finetune_plan(config.steps - progress.step, sequences, config.seq_len),
+                  patched if alone else None, "rope-patch finetune", progress=config.progress)  # timed in one process
     stop.armed = True  # from now on a signal finishes the step and saves; the final model is saved in any case
     with preferred_attention(), sequence_parallel:
         try:

@@ -3,6 +3,8 @@ with each method in turn, in one resumable run."""
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,9 @@ from ..eval.harness_report import add_difference_to_reference, format_table, sho
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
+from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.lm_eval import LmEvalConfig
 from .engine_settings import model_folder, vllm_serving
 
@@ -57,6 +61,7 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     """
     options, loaded = split_loaded(options)
     config = LmEvalConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)
@@ -79,7 +84,12 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
         engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,
                             dtype=loaded.dtype, tensor_parallel_size=config.tensor_parallel_size,
                             data_parallel_size=config.data_parallel_size, tolerance=config.engine_tolerance)
-    with fast_path(loaded.model, config.kernels):
+    if config.progress:  # how many requests a task makes is known inside the harness only: no estimate here
+        methods = len(method_entries(loaded.model, config.method))
+        print(f"rope-patch lm-eval: plan: {methods} method(s) x {len(config.tasks)} task(s) "
+              f"({', '.join(config.tasks)}), window {window if window else 'per max_seq_lengths'}; not timed (the "
+              "harness's bar shows each run's progress); --limit shrinks it", file=sys.stderr, flush=True)
+    with fast_path(loaded.model, config.kernels), CONTROL.stoppable(loaded.model):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
             max_length=window, batch_size=config.batch_size, limit=config.limit,

@@ -11,8 +11,11 @@ from ..eval.passkey_report import format_table, short_cost_table, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
+from ..stopping import CONTROL
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.passkey import PasskeyConfig
+from .plans import passkey_plan, show_plan
 
 
 @dataclass
@@ -46,6 +49,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length, config.layer_types)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
@@ -54,7 +58,10 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
 
 
 def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) -> PasskeyResult:
-    with fast_path(loaded.model, config.kernels):
+    methods = len(method_entries(loaded.model, config.method))
+    show_plan(passkey_plan(methods, config.lengths, len(config.depths), config.trials, config.max_new_tokens),
+              loaded.model, "rope-patch passkey", progress=config.progress)
+    with fast_path(loaded.model, config.kernels), CONTROL.stoppable(loaded.model):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
                                    setup=config.setup(loaded), progress=config.progress)

@@ -47,6 +47,9 @@ class EvalConfig(SweepConfig):
                                  choices=("auto",))
     short_cost: bool = option(True, "score the unpatched model (none) at the lengths up to native when it is not a "
                                      "--method, for the short-context cost: each method's perplexity ratio to none")
+    allow_training_documents: bool = option(False, "score documents a fine-tuned --model was trained on (its "
+                                                   "training_documents.json); by default they are left out, and a "
+                                                   "run with nothing else to score is refused")
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots, "
                                              "relative to the current folder (none from Python with output=None)",

@@ -82,7 +82,7 @@ class FinetuneConfig(JobConfig):
 
     def validate(self) -> None:
         from ...kernels import check_kernels_available
-        from ...methods import frequency_and_attention, parse_method_spec
+        from ...methods import check_spec_alone, frequency_and_attention, parse_method_spec
 
         for name in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
             if getattr(self, name) <= 0:
@@ -101,6 +101,7 @@ class FinetuneConfig(JobConfig):
         if not 1 <= self.pose_chunks <= self.seq_len:
             raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
+        check_spec_alone(self.method)  # and one that leaves out a parameter with no default
         if self.sequence_parallel > 1 and frequency_and_attention(self.method)[1]:
             raise ConfigError(f"--sequence-parallel cannot run {self.method}: its banded attention is not the core "
                               "attention Ulysses wraps; train a frequency method, add the attention method at eval")
