@@ -21,7 +21,7 @@ from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_
 from ..eval.store import open_store
 from ..eval.sweep import method_entries
 from ..patching import input_device, native_length
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
 from .configs.eval import EvalConfig
 
 JOB = "rope-patch eval"
@@ -103,6 +103,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
                 "skipped": skipped, "seed": config.seed, "batch_size": config.batch_size,
                 "native_length": native_length(model), "processes": accelerator.num_processes,
                 "sequence_parallel": config.sequence_parallel, "tp_plan": config.tp_plan,
+                "attention_kernel": attention_kernel_ran(model, config.attention_kernel),
                 "output": config.output}
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
@@ -114,7 +115,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
         model, config.sequence_parallel, rank=rank, world=world)
     if config.tp_plan is not None:  # every process takes part in every window
         shards = contextlib.nullcontext(SequenceShards(SequenceLayout.of(world, rank, world), group=None))
-    with fast_path(model, config.kernels), shards as sharding:
+    with fast_path(model, config.kernels, config.attention_kernel), shards as sharding:
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
                                      batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,
                                      setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress)

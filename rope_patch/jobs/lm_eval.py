@@ -15,7 +15,7 @@ from ..eval.harness_report import add_difference_to_reference, format_table, sho
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
 from .configs.lm_eval import LmEvalConfig
 from .engine_settings import model_folder, vllm_serving
 
@@ -79,7 +79,7 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
         engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,
                             dtype=loaded.dtype, tensor_parallel_size=config.tensor_parallel_size,
                             data_parallel_size=config.data_parallel_size, tolerance=config.engine_tolerance)
-    with fast_path(loaded.model, config.kernels):
+    with fast_path(loaded.model, config.kernels, config.attention_kernel):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
             max_length=window, batch_size=config.batch_size, limit=config.limit,
@@ -92,7 +92,8 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
                 "include_path": config.include_path, "max_length": window, "batch_size": config.batch_size,
                 "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.metadata,
-                "native_length": native_length(loaded.model), "output": config.output}
+                "native_length": native_length(loaded.model), "output": config.output,
+                "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
     files = {}
     if config.output is not None:
         files = write_reports(rows, config.output, settings=settings, native_length=settings["native_length"])

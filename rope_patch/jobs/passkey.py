@@ -11,7 +11,7 @@ from ..eval.passkey_report import format_table, short_cost_table, write_reports
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
 from .configs.passkey import PasskeyConfig
 
 
@@ -54,14 +54,15 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
 
 
 def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) -> PasskeyResult:
-    with fast_path(loaded.model, config.kernels):
+    with fast_path(loaded.model, config.kernels, config.attention_kernel):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
                                    setup=config.setup(loaded), progress=config.progress)
     settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
                 "lengths": config.lengths, "depths": config.depths, "trials": config.trials, "seed": config.seed,
                 "max_new_tokens": config.max_new_tokens, "dtype": loaded.dtype,
-                "native_length": native_length(loaded.model), "output": config.output}
+                "native_length": native_length(loaded.model), "output": config.output,
+                "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
     files = {}
     if config.output is not None:
         files = write_reports(records, config.output, settings=settings, native_length=settings["native_length"])

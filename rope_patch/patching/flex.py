@@ -77,11 +77,14 @@ def attention_path(device: torch.device | str, choice: str | None = None) -> str
 _compiled: dict[str, Any] = {}
 
 
-def flex_kernel(device: torch.device):
+def flex_kernel(device: torch.device, training: bool = False):
     """(flex_attention, create_block_mask) for ``device``: compiled on CUDA (cached for the process), eager
-    elsewhere."""
+    elsewhere, where flex has no backward pass (refused in one line under autograd)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    if training and device.type != "cuda":
+        raise UnsupportedModelError(f"attention_kernel=fused: FlexAttention has no backward pass on {device.type}; "
+                                    "train with attention_kernel=tiled (the default there) or on a CUDA GPU")
     if device.type != "cuda":
         return flex_attention, create_block_mask
     if not _compiled:
@@ -90,11 +93,12 @@ def flex_kernel(device: torch.device):
     return _compiled["flex"], _compiled["mask"]
 
 
-def run_flex(query, key, value, score_mod, block_mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def run_flex(query, key, value, score_mod, block_mask, scale: float,
+             training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One layout: (output [b, h, q, dim], natural-log log-sum-exp [b, h, q] fp32; −inf where a row owns no key)."""
     from torch.nn.attention.flex_attention import AuxRequest
 
-    flex, _ = flex_kernel(query.device)
+    flex, _ = flex_kernel(query.device, training)
     with warnings.catch_warnings():  # eager flex on CPU warns that it is unfused: the tests' and checks' path
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         out, aux = flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
@@ -119,13 +123,21 @@ class CachedMask:
 _masks: OrderedDict[tuple, CachedMask] = OrderedDict()
 
 
-def allowed_pairs(mask: torch.Tensor | TiledMask | None, past: int):
-    """mask_mod (b, h, i, j) -> bool of the pairs the model's mask lets attend (indices, not positions)."""
+def allowed_pairs(mask: torch.Tensor | TiledMask | None, past: int, device: torch.device):
+    """mask_mod (b, h, i, j) -> bool of the pairs the model's mask lets attend (indices, not positions). Offsets that
+    change from call to call (generation's step) are tensors, so that a compiled mask is not recompiled per step."""
     if mask is None:
-        return lambda b, h, i, j: j <= i + past
+        shift = torch.tensor(past, device=device)
+        return lambda b, h, i, j: j <= i + shift
     if isinstance(mask, TiledMask):
-        function, q_offset, kv_offset = mask.mask_function, mask.q_offset, mask.kv_offset
+        function = mask.mask_function
+        q_offset, kv_offset = torch.tensor(mask.q_offset, device=device), torch.tensor(mask.kv_offset, device=device)
         return lambda b, h, i, j: function(b, h, i + q_offset, j + kv_offset)
+    if mask.shape[0] == 1:  # one mask for the whole batch
+        mask = mask[0]
+        if mask.dtype == torch.bool:
+            return lambda b, h, i, j: mask[0, i, j]
+        return lambda b, h, i, j: mask[0, i, j] > torch.finfo(mask.dtype).min
     if mask.dtype == torch.bool:
         return lambda b, h, i, j: mask[b, 0, i, j]
     floor = torch.finfo(mask.dtype).min  # an additive mask: its minimum excludes the pair, the rest is a score_mod
@@ -142,10 +154,16 @@ def layout_block_mask(bands: Bands, layout: int, q_pos: torch.Tensor, k_pos: tor
             and torch.equal(cached.k_pos, k_pos)):
         _masks.move_to_end(key)
         return cached
-    allowed, choose = allowed_pairs(mask, past), bands.choose
+    allowed, choose = allowed_pairs(mask, past, q_pos.device), bands.choose
 
-    def owned(b, h, i, j):
-        return allowed(b, h, i, j) & (choose(q_pos[b, i], k_pos[b, j]) == layout)
+    if batch == 1:  # one set of positions: the kernels call the mask with every batch index of the query
+        queries_at, keys_at = q_pos[0], k_pos[0]
+
+        def owned(b, h, i, j):
+            return allowed(b, h, i, j) & (choose(queries_at[i], keys_at[j]) == layout)
+    else:
+        def owned(b, h, i, j):
+            return allowed(b, h, i, j) & (choose(q_pos[b, i], k_pos[b, j]) == layout)
 
     _, create_block_mask = flex_kernel(q_pos.device)
     block_mask = create_block_mask(owned, batch, None, q_pos.shape[1], k_pos.shape[1], device=q_pos.device,
@@ -169,7 +187,7 @@ def score_modifier(mask: torch.Tensor | TiledMask | None, softcap: float | None)
         if softcap is not None:
             score = torch.tanh(score / softcap) * softcap
         if additive is not None:
-            score = score + additive[b, 0, i, j].to(score.dtype)
+            score = score + additive[b if additive.shape[0] > 1 else 0, 0, i, j].to(score.dtype)
         return score
     return modify
 
@@ -184,9 +202,6 @@ def fused_banded_attention(queries: list[torch.Tensor], keys: list[torch.Tensor]
     = attend, or additive). Returns [b, q, h, dim]."""
     batch, length = queries[0].shape[0], queries[0].shape[2]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in [*queries, *keys, value])
-    if training and queries[0].device.type != "cuda":
-        raise UnsupportedModelError("attention_kernel=fused: FlexAttention has no backward pass on "
-                                    f"{queries[0].device.type}; train with attention_kernel=tiled (the default there)")
     past = keys[0].shape[2] - length
     one_set = (mask is None or (isinstance(mask, torch.Tensor) and mask.shape[0] == 1)) and (
         k_pos.shape[0] == 1 or bool((k_pos == k_pos[:1]).all()))
@@ -199,7 +214,7 @@ def fused_banded_attention(queries: list[torch.Tensor], keys: list[torch.Tensor]
     for layout, (query, key) in enumerate(zip(queries, keys)):
         cached = layout_block_mask(bands, layout, q_pos, k_pos, mask, past)
         if not cached.empty:
-            pieces.append(run_flex(query, key, value, score_mod, cached.block_mask, scaling))
+            pieces.append(run_flex(query, key, value, score_mod, cached.block_mask, scaling, training))
     if not pieces:  # no pair attends at all (every row masked): zeros, as flex gives for an empty row
         return torch.zeros_like(queries[0][..., : value.shape[-1]]).transpose(1, 2).contiguous()
     if len(pieces) == 1:
