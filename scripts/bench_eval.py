@@ -208,8 +208,8 @@ def main() -> None:
     if args.preset == "llama2-7b":
         for row in rows:
             if "time_vs_none" in row:
-                print(f"{row['variant']} {row['method']} ({row['path']}): {row['seconds_per_window']:.2f} s per window, "
-                      f"{row['time_vs_none']:.2f}x none's time, {row['memory_vs_none']:.2f}x its peak memory")
+                print(f"{row['variant']} {row['method']} ({row['path']}): {row['seconds_per_window']:.2f} s per "
+                      f"window, {row['time_vs_none']:.2f}x none's time, {row['memory_vs_none']:.2f}x its peak memory")
     by = {(r["variant"], r.get("dtype")): r for r in rows if "error" not in r and args.preset == "smollm2"}
     plain = by.get(("plain", "fp32")) or by.get(("plain", "bf16"))
     for key, row in by.items():

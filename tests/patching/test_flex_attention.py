@@ -231,3 +231,26 @@ def test_the_compiled_cuda_kernel_matches_the_oracle_with_gradients(name, dtype,
     assert (actual.float().cpu() - expected.detach()).abs().max() < tolerance
     actual_grad = model.model.layers[0].self_attn.q_proj.weight.grad.float().cpu()
     assert (actual_grad - expected_grad).abs().max() < tolerance * max(1.0, expected_grad.abs().max().item())
+
+
+def test_eval_records_the_path_and_resumes_across_paths(tiny_folder, tmp_path):
+    """``--attention-kernel`` changes numbers only by float rounding: it is not in the sweep's key (a run on the other
+    path reuses the rows), the reports record the path that ran, and a fresh fused run agrees with the tiled one."""
+    import json
+
+    folder, corpus = tiny_folder
+    options = dict(model=str(folder), dataset=str(corpus), lengths=[64],
+                   method=["self_extend:group=3,window=10", "dca:chunk=20,local=6"], dtype="fp32", documents=1, progress=False)
+    tiled = rope_patch.run_eval(**options, output=str(tmp_path / "run"), attention_kernel="tiled")
+    results = tmp_path / "run" / "results.jsonl"
+    stored = results.read_text()
+    resumed = rope_patch.run_eval(**options, output=str(tmp_path / "run"), attention_kernel="fused")
+    assert results.read_text() == stored  # nothing scored again
+    assert tiled.settings["attention_kernel"] == "tiled" and resumed.settings["attention_kernel"] == "fused"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["settings"]["attention_kernel"] == "fused"
+    fresh = rope_patch.run_eval(**options, output=str(tmp_path / "fresh"), attention_kernel="fused")
+    for a, b in zip(tiled.rows, fresh.rows):
+        assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-5)
+    with pytest.raises(ConfigError, match="flash"):
+        rope_patch.run_eval(**options, output=str(tmp_path / "bad"), attention_kernel="flash")

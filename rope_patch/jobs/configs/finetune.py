@@ -8,7 +8,8 @@ from typing import ClassVar
 from ...choices import ATTENTION_KERNELS, KERNELS
 from ...errors import ConfigError
 from ..options import JobConfig, option
-from .sweep import ATTENTION_KERNEL_HELP, KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
+from .sweep import (ATTENTION_KERNEL_HELP, KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option,
+                    progress_option)
 
 
 @dataclass
