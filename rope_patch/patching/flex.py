@@ -99,10 +99,19 @@ def run_flex(query, key, value, score_mod, block_mask, scale: float,
     from torch.nn.attention.flex_attention import AuxRequest
 
     flex, _ = flex_kernel(query.device, training)
-    with warnings.catch_warnings():  # eager flex on CPU warns that it is unfused: the tests' and checks' path
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out, aux = flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                        enable_gqa=query.shape[1] != key.shape[1], return_aux=AuxRequest(lse=True))
+    try:
+        with warnings.catch_warnings():  # eager flex on CPU warns that it is unfused: the tests' and checks' path
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out, aux = flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                            enable_gqa=query.shape[1] != key.shape[1], return_aux=AuxRequest(lse=True))
+    except torch.OutOfMemoryError:
+        raise  # the evaluation's retry with a smaller batch handles it
+    except Exception as error:  # the compiler's refusal of a shape or dtype (head size, shared memory): one line
+        if query.device.type != "cuda":
+            raise
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise UnsupportedModelError(f"attention_kernel=fused: FlexAttention could not run heads of {query.shape[-1]} "
+                                    f"in {query.dtype} here ({first}); use --attention-kernel tiled") from error
     return out, aux.lse.float()
 
 
