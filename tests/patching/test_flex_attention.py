@@ -254,3 +254,12 @@ def test_eval_records_the_path_and_resumes_across_paths(tiny_folder, tmp_path):
         assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-5)
     with pytest.raises(ConfigError, match="flash"):
         rope_patch.run_eval(**options, output=str(tmp_path / "bad"), attention_kernel="flash")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the fused path trains")
+def test_finetune_with_the_fused_path_on_a_cpu_is_refused_before_loading():
+    from rope_patch.jobs.configs.finetune import FinetuneConfig
+
+    with pytest.raises(ConfigError, match="^--attention-kernel fused: FlexAttention has no backward pass on a CPU"):
+        FinetuneConfig(model="does-not/matter", method="rerope:window=8", attention_kernel="fused")
+    FinetuneConfig(model="does-not/matter", method="yarn:factor=2", attention_kernel="fused")  # no attention method

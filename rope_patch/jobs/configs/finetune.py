@@ -109,4 +109,10 @@ class FinetuneConfig(JobConfig):
         if self.sequence_parallel > 1 and self.attn_implementation == "eager":
             raise ConfigError("--sequence-parallel cannot use --attn-implementation eager, which builds a "
                               "whole-sequence 4D mask; use sdpa (or flash_attention_2 on GPUs)")
+        if self.attention_kernel == "fused" and frequency_and_attention(self.method)[1]:
+            import torch
+
+            if not torch.cuda.is_available():  # before loading: flex has no backward pass on a CPU
+                raise ConfigError("--attention-kernel fused: FlexAttention has no backward pass on a CPU; train with "
+                                  "--attention-kernel tiled (auto picks it there) or on a CUDA GPU")
         check_kernels_available(self.kernels)
