@@ -24,7 +24,7 @@ from ..eval.store import open_store
 from ..eval.sweep import method_entries, positions_follow_length
 from ..patching import input_device, native_length
 from ..stopping import CONTROL
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
 from .preflight import check_output_writable
 from .configs.eval import EvalConfig
 from .plans import eval_plan, show_plan
@@ -118,6 +118,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
                 "skipped": skipped, "seed": config.seed, "batch_size": config.batch_size,
                 "native_length": native_length(model), "processes": accelerator.num_processes,
                 "sequence_parallel": config.sequence_parallel, "tp_plan": config.tp_plan,
+                "attention_kernel": attention_kernel_ran(model, config.attention_kernel),
                 "output": config.output, "left_out_training": left_out}
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
@@ -129,7 +130,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
         model, config.sequence_parallel, rank=rank, world=world)
     if config.tp_plan is not None:  # every process takes part in every window
         shards = contextlib.nullcontext(SequenceShards(SequenceLayout.of(world, rank, world), group=None))
-    with fast_path(model, config.kernels), shards as sharding, CONTROL.stoppable(model):
+    with fast_path(model, config.kernels, config.attention_kernel), shards as sharding, CONTROL.stoppable(model):
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
                                      batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,
                                      setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress)

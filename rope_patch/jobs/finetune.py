@@ -29,6 +29,7 @@ from ..loading import load_model
 from ..methods import method_label, parse_method_spec
 from ..patching import patch, set_layer_types
 from ..patching.attention import check_attention_dropout
+from ..patching.flex import attention_kernel
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
@@ -173,7 +174,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
         show_plan(finetune_plan(config.steps - progress.step, sequences, config.seq_len),
                   patched if alone else None, "rope-patch finetune", progress=config.progress)  # timed in one process
     stop.armed = True  # from now on a signal finishes the step and saves; the final model is saved in any case
-    with preferred_attention(), sequence_parallel:
+    with preferred_attention(), attention_kernel(config.attention_kernel), sequence_parallel:
         try:
             losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
                            head_loss=head_loss_for(model), layout=layout, patched=patched, key=key, stop=stop)

@@ -18,7 +18,7 @@ from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
 from ..stopping import CONTROL
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
 from .preflight import check_output_writable
 from .configs.lm_eval import LmEvalConfig
 from .engine_settings import model_folder, vllm_serving
@@ -89,7 +89,7 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
         print(f"rope-patch lm-eval: plan: {methods} method(s) x {len(config.tasks)} task(s) "
               f"({', '.join(config.tasks)}), window {window if window else 'per max_seq_lengths'}; not timed (the "
               "harness's bar shows each run's progress); --limit shrinks it", file=sys.stderr, flush=True)
-    with fast_path(loaded.model, config.kernels), CONTROL.stoppable(loaded.model):
+    with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
             max_length=window, batch_size=config.batch_size, limit=config.limit,
@@ -102,7 +102,8 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
                 "include_path": config.include_path, "max_length": window, "batch_size": config.batch_size,
                 "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.metadata,
-                "native_length": native_length(loaded.model), "output": config.output}
+                "native_length": native_length(loaded.model), "output": config.output,
+                "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
     files = {}
     if config.output is not None:
         files = write_reports(rows, config.output, settings=settings, native_length=settings["native_length"])

@@ -12,7 +12,7 @@ from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
 from ..stopping import CONTROL
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
 from .preflight import check_output_writable
 from .configs.passkey import PasskeyConfig
 from .plans import passkey_plan, show_plan
@@ -61,14 +61,15 @@ def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) 
     methods = len(method_entries(loaded.model, config.method))
     show_plan(passkey_plan(methods, config.lengths, len(config.depths), config.trials, config.max_new_tokens),
               loaded.model, "rope-patch passkey", progress=config.progress)
-    with fast_path(loaded.model, config.kernels), CONTROL.stoppable(loaded.model):
+    with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
                                    setup=config.setup(loaded), progress=config.progress)
     settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
                 "lengths": config.lengths, "depths": config.depths, "trials": config.trials, "seed": config.seed,
                 "max_new_tokens": config.max_new_tokens, "dtype": loaded.dtype,
-                "native_length": native_length(loaded.model), "output": config.output}
+                "native_length": native_length(loaded.model), "output": config.output,
+                "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
     files = {}
     if config.output is not None:
         files = write_reports(records, config.output, settings=settings, native_length=settings["native_length"])

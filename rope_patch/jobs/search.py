@@ -168,7 +168,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         bar.update()
 
     start = yarn_factors(base, factor)
-    with fast_path(model, config.kernels), CONTROL.stoppable(model):
+    with fast_path(model, config.kernels, config.attention_kernel), CONTROL.stoppable(model):
         if config.max_short_cost is not None:
             short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
                                                          KEY_FIELDS, job=JOB))

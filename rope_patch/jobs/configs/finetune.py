@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...choices import KERNELS
+from ...choices import ATTENTION_KERNELS, KERNELS
 from ...errors import ConfigError
 from ..options import JobConfig, option
-from .sweep import KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
+from .sweep import (ATTENTION_KERNEL_HELP, KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option,
+                    progress_option)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class FinetuneConfig(JobConfig):
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (e.g. sdpa, "
                                                    "flash_attention_2, eager)")
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
+    attention_kernel: str = option("auto", ATTENTION_KERNEL_HELP, choices=ATTENTION_KERNELS)
     sequence_parallel: int = option(1, "split each sequence over N processes (DeepSpeed Ulysses; N divides the "
                                        "processes of accelerate launch, data parallelism is the rest)", metavar="N")
     output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/, relative "
@@ -108,4 +110,10 @@ class FinetuneConfig(JobConfig):
         if self.sequence_parallel > 1 and self.attn_implementation == "eager":
             raise ConfigError("--sequence-parallel cannot use --attn-implementation eager, which builds a "
                               "whole-sequence 4D mask; use sdpa (or flash_attention_2 on GPUs)")
+        if self.attention_kernel == "fused" and frequency_and_attention(self.method)[1]:
+            import torch
+
+            if not torch.cuda.is_available():  # before loading: flex has no backward pass on a CPU
+                raise ConfigError("--attention-kernel fused: FlexAttention has no backward pass on a CPU; train with "
+                                  "--attention-kernel tiled (auto picks it there) or on a CUDA GPU")
         check_kernels_available(self.kernels)
