@@ -23,6 +23,7 @@ Both are reversible (``remove()`` of the returned handle) and change no weight o
 from __future__ import annotations
 
 import weakref
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -119,9 +120,19 @@ class ActivationOffload:
             entry.fetched_ready.record(self.stream)
 
 
-def _autocast_state(device_type: str) -> dict[str, Any]:
-    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
-            "cache_enabled": torch.is_autocast_cache_enabled()}
+def _autocast_states(device: torch.device) -> dict[str, dict[str, Any]]:
+    """The autocast settings in force (mixed precision), for a recomputation in the backward pass, which autograd
+    runs outside them."""
+    return {kind: {"enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind),
+                   "cache_enabled": torch.is_autocast_cache_enabled()}
+            for kind in dict.fromkeys((device.type, "cpu"))}
+
+
+def _autocast_as(states: dict[str, dict[str, Any]]) -> ExitStack:
+    stack = ExitStack()
+    for kind, state in states.items():
+        stack.enter_context(torch.autocast(kind, **state))
+    return stack
 
 
 class _OffloadedLayer(torch.autograd.Function):
@@ -132,8 +143,7 @@ class _OffloadedLayer(torch.autograd.Function):
     def forward(ctx, run, offload, others_count, hidden, *tensors):  # hidden (B, L, d)
         others, ctx.params_count = tensors[:others_count], len(tensors) - others_count
         ctx.run, ctx.offload = run, offload
-        ctx.devices = [hidden.device.type] + (["cpu"] if hidden.device.type != "cpu" else [])
-        ctx.autocast = {d: _autocast_state(d) for d in ctx.devices}
+        ctx.autocast = _autocast_states(hidden.device)
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.device.type == "cuda" else None
         output = run(hidden, *others)  # autograd functions run their forward without gradients
@@ -154,14 +164,8 @@ class _OffloadedLayer(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng)
-            autocasts = [torch.autocast(d, **ctx.autocast[d]) for d in ctx.devices]
-            for autocast in autocasts:
-                autocast.__enter__()
-            try:
+            with _autocast_as(ctx.autocast):
                 output = ctx.run(hidden, *others)
-            finally:
-                for autocast in reversed(autocasts):
-                    autocast.__exit__(None, None, None)
         outputs = output if ctx.tuple_output else (output,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad
                  and g is not None]
@@ -248,6 +252,7 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mlp_forward, tile, x, *params):  # x (..., L, d)
         ctx.mlp_forward, ctx.tile, ctx.params = mlp_forward, tile, params
+        ctx.autocast = _autocast_states(x.device)
         ctx.save_for_backward(x)
         return torch.cat([mlp_forward(x[..., i : i + tile, :]) for i in range(0, x.shape[-2], tile)], dim=-2)
 
@@ -259,7 +264,7 @@ class _TiledMLP(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x else None
         sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
         for i in range(0, x.shape[-2], ctx.tile):
-            with torch.enable_grad():
+            with torch.enable_grad(), _autocast_as(ctx.autocast):
                 part = x[..., i : i + ctx.tile, :].detach().requires_grad_(need_x)
                 out = ctx.mlp_forward(part)
             wanted = ([part] if need_x else []) + params
@@ -318,3 +323,48 @@ def tile_mlps(model: nn.Module, tile: int | None = None) -> Installed:
         installed.undo.append((mlp, "forward", mlp.__dict__.get("forward")))
         mlp.forward = tiled_forward
     return installed
+
+
+# --- the finetune job's choice -----------------------------------------------------------------------------------
+
+
+def check_long_sequence_options(*, offload: str, tiled: str, gradient_checkpointing: bool, sharded: bool,
+                                sequence_parallel: int) -> None:
+    """Refuse, before the model loads, an explicit ``on`` that cannot be exact (``auto`` is then simply off)."""
+    if offload == "on" and not gradient_checkpointing:
+        raise ConfigError("--offload-activations on offloads the inputs activation checkpointing keeps: drop "
+                          "--gradient-checkpointing false, or use --offload-activations off")
+    for name, value in (("offload-activations", offload), ("tiled-mlp", tiled)):
+        if value == "on" and sharded:
+            raise ConfigError(f"--{name} on is not supported with FSDP2 or DeepSpeed ZeRO-3 (sharded weights); use "
+                              f"--{name} off there, or a single process or DDP")
+        if value == "on" and sequence_parallel > 1:
+            raise ConfigError(f"--{name} on is not supported with --sequence-parallel (each process already holds "
+                              f"1/N of the sequence); use --{name} off")
+
+
+def long_sequence_choice(*, offload: str, tiled: str, seq_len: int, cuda: bool, gradient_checkpointing: bool,
+                         sharded: bool, sequence_parallel: int, mlp_refused: str | None) -> tuple[bool, bool]:
+    """Whether to offload and to tile: ``on``/``off`` as asked, ``auto`` on above ``LONG_SEQUENCE`` tokens where
+    the piece can run (offload: on a CUDA GPU, where device memory is what binds; tiling: any device)."""
+    simple = not sharded and sequence_parallel == 1
+    long = seq_len > LONG_SEQUENCE
+    use_offload = offload == "on" or (offload == "auto" and long and cuda and gradient_checkpointing and simple)
+    use_tiled = tiled == "on" or (tiled == "auto" and long and simple and mlp_refused is None)
+    return use_offload, use_tiled
+
+
+def install_long_sequence_pieces(model: nn.Module, *, offload: bool, tiled: bool, tile: int | None) -> Installed:
+    """Install the chosen pieces on ``model`` (after LoRA and kernels); one handle removes both."""
+    installed = Installed()
+    for piece in ([tile_mlps(model, tile)] if tiled else []) + ([offload_checkpointed_inputs(model)] if offload else []):
+        installed.undo += piece.undo
+        installed.offload = piece.offload or installed.offload
+    return installed
+
+
+def describe(offload: bool, tiled: bool, tile: int | None, model: nn.Module) -> str | None:
+    """The run's line about them, or None when neither is on."""
+    parts = (["decoder-layer inputs offloaded to CPU memory"] if offload else []) + (
+        [f"MLP tiled every {tile or model.config.hidden_size:,} tokens"] if tiled else [])
+    return "; ".join(parts) or None

@@ -131,3 +131,79 @@ def test_mlp_dropout_is_refused():
     layer_mlp(decoder_layers(model)[0]).add_module("dropout", torch.nn.Dropout(0.1))
     with pytest.raises(ConfigError, match="dropout"):
         tile_mlps(model)
+
+
+def test_recomputation_keeps_mixed_precision():
+    """Autograd runs backward passes outside autocast: the tiles and layers recomputed there must still run in bf16,
+    as their forward did (a float32 recomputation would give other gradients)."""
+    model = build_model(family_config("llama"), seed=0).train()
+    enable_activation_checkpointing(model)
+    pieces = [offload_checkpointed_inputs(model), tile_mlps(model, TILE)]
+    seen: list[torch.dtype] = []
+    down = layer_mlp(decoder_layers(model)[0]).down_proj
+    down.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    ids = torch.randint(3, 128, (1, LENGTH), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = micro_batch_loss(model, ids)
+    forward = len(seen)
+    loss.backward()
+    assert forward and len(seen) > 2 * forward and set(seen) == {torch.bfloat16}  # forward, layer and tile recomputes
+    for piece in pieces:
+        piece.remove()
+
+
+# --- the finetune job --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from tiny_models import write_training_workspace
+
+    return write_training_workspace(tmp_path_factory.mktemp("long"))
+
+
+def finetune_options(workspace, output, **overrides) -> dict:
+    return dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), seq_len=96, steps=4, lr=3e-3,
+                warmup_steps=2, output=str(output), save_every=2, keep_checkpoints=0, progress=False) | overrides
+
+
+def test_finetune_with_both_pieces_trains_and_resumes_as_without(workspace, tmp_path):
+    from safetensors.torch import load_file
+
+    from rope_patch.jobs.finetune import finetune
+
+    pieces = dict(offload_activations="on", tiled_mlp="on", mlp_tile=40)
+    plain = finetune(**finetune_options(workspace, tmp_path / "plain", offload_activations="off", tiled_mlp="off"))
+    full = finetune(**finetune_options(workspace, tmp_path / "full", **pieces))
+    assert [full.losses[s] for s in range(1, 5)] == pytest.approx([plain.losses[s] for s in range(1, 5)], rel=1e-5)
+    resumed = finetune(**finetune_options(workspace, tmp_path / "resumed", resume=str(
+        tmp_path / "full" / "checkpoints" / "step-000002"), **pieces))
+    assert list(resumed.losses) == [3, 4] and all(resumed.losses[s] == full.losses[s] for s in (3, 4))
+    a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all("forward" not in vars(layer_mlp(layer)) for layer in decoder_layers(full.model))  # taken off
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(offload_activations="on", gradient_checkpointing=False), "--offload-activations on offloads the inputs"),
+    (dict(tiled_mlp="on", sequence_parallel=2), "--tiled-mlp on is not supported with --sequence-parallel"),
+    (dict(mlp_tile=0), "--mlp-tile must be a positive number of tokens"),
+])
+def test_finetune_refuses_before_loading(tmp_path, overrides, message):
+    from rope_patch.jobs.configs.finetune import FinetuneConfig
+
+    with pytest.raises(ConfigError, match=message):
+        FinetuneConfig.from_options(None, model=str(tmp_path / "absent"), **overrides)
+
+
+def test_auto_turns_the_pieces_on_where_they_pay():
+    from rope_patch.train.long_sequences import LONG_SEQUENCE, long_sequence_choice
+
+    common = dict(offload="auto", tiled="auto", gradient_checkpointing=True, sharded=False, sequence_parallel=1,
+                  mlp_refused=None)
+    assert long_sequence_choice(**common, seq_len=LONG_SEQUENCE, cuda=True) == (False, False)  # 64k: as before
+    assert long_sequence_choice(**common, seq_len=2 * LONG_SEQUENCE, cuda=True) == (True, True)
+    assert long_sequence_choice(**common, seq_len=2 * LONG_SEQUENCE, cuda=False) == (False, True)  # CPU: no offload
+    assert long_sequence_choice(**common | dict(mlp_refused="MoE"), seq_len=2 * LONG_SEQUENCE, cuda=True) == (True, False)
+    assert long_sequence_choice(**common | dict(sharded=True), seq_len=2 * LONG_SEQUENCE, cuda=True) == (False, False)
+    assert long_sequence_choice(**common | dict(offload="off", tiled="on"), seq_len=100, cuda=True) == (False, True)
