@@ -297,7 +297,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="timed optimizer steps per length")
     parser.add_argument("--until-oom", action="store_true",
                         help="after the given lengths, double until a step runs out of memory or --max-length")
-    parser.add_argument("--max-length", type=tokens, default=2**20, help="longest length --until-oom tries (1024k)")
+    parser.add_argument("--max-length", type=tokens, default=2**18,
+                        help="longest length --until-oom tries (default 256k: an 8B step there takes minutes; 512k about 10)")
     parser.add_argument("--memory-limit-gib", type=float, default=None,
                         help="count a peak above this as not fitting (a CPU dry run of --until-oom)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
