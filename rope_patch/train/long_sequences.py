@@ -145,6 +145,7 @@ class _OffloadedLayer(torch.autograd.Function):
         ctx.run, ctx.offload = run, offload
         ctx.autocast = _autocast_states(hidden.device)
         ctx.cpu_rng = torch.get_rng_state()
+        ctx.device = hidden.device
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.device.type == "cuda" else None
         output = run(hidden, *others)  # autograd functions run their forward without gradients
         ctx.stored = offload.save(hidden)
@@ -159,11 +160,11 @@ class _OffloadedLayer(torch.autograd.Function):
         others = [t.detach().requires_grad_(need) if torch.is_tensor(t) else t
                   for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[4:])]
         params = ctx.run.params
-        devices = [torch.device("cuda", torch.cuda.current_device())] if ctx.cuda_rng is not None else []
+        devices = [ctx.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
-            torch.set_rng_state(ctx.cpu_rng)
+            torch.set_rng_state(ctx.cpu_rng)  # the forward's random state (dropout), as torch's checkpoint keeps it
             if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng)
+                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
             with _autocast_as(ctx.autocast):
                 output = ctx.run(hidden, *others)
         outputs = output if ctx.tuple_output else (output,)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rope_patch
 from rope_patch.errors import ConfigError
 from rope_patch.train.long_sequences import (decoder_layers, layer_mlp, mlp_refusal, offload_checkpointed_inputs,
                                              tile_mlps)
@@ -23,10 +24,12 @@ VARIANTS = {"checkpointing": (True, False, False), "offload": (True, True, False
 
 
 def loss_and_grads(family: str, variant: tuple[bool, bool, bool] | None, *, lora: bool, steps: int = 1,
-                   position_ids: torch.Tensor | None = None):
+                   position_ids: torch.Tensor | None = None, method: str | None = None):
     """The micro-batch loss of each of ``steps`` optimizer steps (the graph rebuilt each time) and the gradients of the
     last step, by trainable parameter name."""
     model = build_model(family_config(family), seed=0).train()
+    if method:
+        rope_patch.patch(model, method)
     checkpointing, offload, tiled = variant or (False, False, False)
     if checkpointing:
         enable_activation_checkpointing(model)
@@ -86,6 +89,13 @@ def test_repeated_steps_and_pose_positions_stay_exact():
     both = loss_and_grads("llama", VARIANTS["both"], lora=False, steps=3, position_ids=positions)
     assert plain[0] == pytest.approx(both[0], rel=1e-6) and len(set(plain[0])) == 3  # the weights moved
     assert_same(plain[:2], both[:2], tolerance=1e-5)  # two updates later, the weights differ by float order
+
+
+@pytest.mark.parametrize("method", ["self_extend:group=4,window=16", "dca:chunk=40,local=8"])
+def test_attention_level_methods_stay_exact(method):
+    """The attention-level methods' banded attention is recomputed like any other in the backward pass."""
+    plain = loss_and_grads("llama", None, lora=True, method=method)
+    assert_same(plain[:2], loss_and_grads("llama", VARIANTS["both"], lora=True, method=method)[:2])
 
 
 def test_offload_holds_each_layer_input_on_the_host_until_its_backward():
@@ -194,6 +204,16 @@ def test_finetune_refuses_before_loading(tmp_path, overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         FinetuneConfig.from_options(None, model=str(tmp_path / "absent"), **overrides)
+
+
+@pytest.mark.parametrize("name", ["offload", "tiled"])
+def test_sharded_weights_are_refused_when_asked_for(name):
+    from rope_patch.train.long_sequences import check_long_sequence_options
+
+    options = dict(offload="off", tiled="off", gradient_checkpointing=True, sharded=True, sequence_parallel=1)
+    check_long_sequence_options(**options | {name: "auto"})  # auto is simply off there
+    with pytest.raises(ConfigError, match="not supported with FSDP2 or DeepSpeed ZeRO-3"):
+        check_long_sequence_options(**options | {name: "on"})
 
 
 def test_auto_turns_the_pieces_on_where_they_pay():
