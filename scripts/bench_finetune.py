@@ -254,11 +254,11 @@ def markdown(rows: list[dict]) -> str:
     """One table: per length and variant, speed, MFU and peak memory, with the ratios to the plain loop."""
     memory = "peak_mem_gib" if any("peak_mem_gib" in r for r in rows) else "peak_rss_gib"
     plain = {r["tokens"]: r for r in rows if r["variant"] == "plain" and "error" not in r}
-    lines = ["| tokens | variant | tokens/s | vs plain | MFU | peak memory (GiB) | vs plain | loss (first step) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| tokens | variant | tokens/s | vs plain | MFU | peak memory (GiB) | vs plain | loss (first step) | fits |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["tokens"], r["variant"])):
         if "error" in r:
-            lines.append(f"| {r['tokens']:,} | {r['variant']} | {r['error']} | | | | | |")
+            lines.append(f"| {r['tokens']:,} | {r['variant']} | {r['error']} | | | | | | no |")
             continue
         base = plain.get(r["tokens"])
         speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
@@ -267,7 +267,7 @@ def markdown(rows: list[dict]) -> str:
         first = f"{r['first_loss']:.4f}" if r.get("first_loss") is not None else "-"
         offloaded = f" (offloaded {r['offloaded_gib']:.2f})" if r.get("offloaded_gib") else ""
         lines.append(f"| {r['tokens']:,} | {r['variant']} | {r['tokens_per_s']:,.0f} | {speed} | {mfu} | "
-                     f"{r[memory]:.2f}{offloaded} | {mem} | {first} |")
+                     f"{r[memory]:.2f}{offloaded} | {mem} | {first} | {'yes' if r.get('fits', True) else 'no'} |")
     longest = {}
     for r in rows:
         if r.get("fits", "error" not in r) and "error" not in r:
