@@ -227,3 +227,26 @@ def test_auto_turns_the_pieces_on_where_they_pay():
     assert long_sequence_choice(**common | dict(mlp_refused="MoE"), seq_len=2 * LONG_SEQUENCE, cuda=True) == (True, False)
     assert long_sequence_choice(**common | dict(sharded=True), seq_len=2 * LONG_SEQUENCE, cuda=True) == (False, False)
     assert long_sequence_choice(**common | dict(offload="off", tiled="on"), seq_len=100, cuda=True) == (False, True)
+
+
+def test_an_instance_forward_is_the_one_tiled_and_put_back():
+    """Liger (``--kernels liger``) sets its fused SwiGLU as the MLP instance's ``forward``; tiling wraps whatever
+    forward the instance has, and its removal leaves that one in place (Liger's own removal then takes it off)."""
+    model = build_model(family_config("llama"), seed=0).train()
+    mlp = layer_mlp(decoder_layers(model)[0])
+    calls: list[int] = []
+
+    def fused(x):  # stands for Liger's kernel: the same function, counted
+        calls.append(x.shape[-2])
+        return mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    mlp.forward = fused
+    x = torch.randn(1, LENGTH, model.config.hidden_size, requires_grad=True)
+    expected = torch.autograd.grad(mlp(x).square().sum(), [x, mlp.up_proj.weight])
+    calls.clear()
+    tiled = tile_mlps(model, TILE)
+    got = torch.autograd.grad(mlp(x).square().sum(), [x, mlp.up_proj.weight])
+    assert calls == [16, 16, 16, 2] * 2  # the forward's tiles, then the backward's recomputed ones
+    assert all(torch.allclose(g, e, rtol=1e-6, atol=1e-7) for g, e in zip(got, expected))
+    tiled.remove()
+    assert mlp.forward is fused
