@@ -33,9 +33,11 @@ from ..patching.flex import attention_kernel
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
-                                 resume_checkpoint, save_final_model_resumably, write_failure)
+                                 params_sharded, resume_checkpoint, save_final_model_resumably, write_failure)
 from ..train.interrupt import StopRequest, TrainingInterrupted
 from ..train.log import TrainingLog, tensorboard
+from ..train.long_sequences import (check_long_sequence_options, describe, install_long_sequence_pieces,
+                                    long_sequence_choice, mlp_refusal)
 from ..train.lora import add_lora, save_only_trainable_weights
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
@@ -102,6 +104,10 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len)
+    long_options = dict(offload=config.offload_activations, tiled=config.tiled_mlp, sharded=params_sharded(accelerator),
+                        gradient_checkpointing=config.gradient_checkpointing,
+                        sequence_parallel=config.sequence_parallel)
+    check_long_sequence_options(**long_options)
     layout = SequenceLayout.of(config.sequence_parallel, accelerator.process_index, accelerator.num_processes)
     set_seed(config.seed)
 
@@ -139,6 +145,10 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
         model = add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
                          train_embeddings_and_norms=config.train_embeddings_and_norms)
     apply_kernels(model, config.kernels)  # after LoRA, so that Liger also patches the norms peft copied to train them
+    offload, tiled = long_sequence_choice(**long_options, seq_len=config.seq_len, cuda=accelerator.device.type == "cuda",
+                                          mlp_refused=mlp_refusal(model))
+    long_pieces = install_long_sequence_pieces(model, offload=offload, tiled=tiled, tile=config.mlp_tile)  # after
+    # LoRA (its adapters are the parameters the pieces differentiate) and kernels (Liger's MLP forward is the one tiled)
     model.train()
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -160,9 +170,10 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     log = TrainingLog(output, accelerator, resume_step=progress.step if config.resume else 0)
     if accelerator.is_main_process:
         shards = f", each split over {layout.size} processes" if layout.size > 1 else ""
+        pieces = describe(offload, tiled, config.mlp_tile, patched)
         accelerator.print(f"{report}\n{data.describe()}; global batch "
                           f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
-                          f"; {engine_name(accelerator)}")
+                          f"; {engine_name(accelerator)}" + (f"\n{pieces}" if pieces else ""))
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
         write_training_manifest(output, config.dataset, data.trained)  # what an eval of this folder leaves out
 
@@ -185,6 +196,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
             newest = newest_checkpoint(output, key)  # a second signal stopped at once: the last complete checkpoint
             raise TrainingInterrupted(progress.step, config.steps, newest and newest.folder,
                                       "latest" if newest else config.resume, accelerator.is_main_process) from error
+    long_pieces.remove()
     remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
     final = save_final_model_resumably(accelerator, model, tokenizer, output, step=progress.step, key=key,

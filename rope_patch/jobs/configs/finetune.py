@@ -52,6 +52,16 @@ class FinetuneConfig(JobConfig):
     save_adapter: bool = option(False, "with --lora, save the adapter and the extra trained weights instead of merging them")
     gradient_checkpointing: bool = option(True, "recompute activations in the backward pass (much less memory, one "
                                                 "more forward pass of compute)")
+    offload_activations: str = option("auto", "copy each decoder layer's checkpointed input to CPU memory in the "
+                                              "forward pass and back in the backward pass (GPU memory saved: layers x "
+                                              "hidden size x 2 bytes per token); auto: on with a CUDA GPU above 64k "
+                                              "tokens per sequence", choices=("auto", "on", "off"))
+    tiled_mlp: str = option("auto", "run each decoder layer's MLP on --mlp-tile tokens at a time, recomputed in the "
+                                    "backward pass (MLP activations of one tile, one more MLP forward of compute); "
+                                    "auto: on above 64k tokens per sequence, for models without mixtures of experts",
+                            choices=("auto", "on", "off"))
+    mlp_tile: int | None = option(None, "tokens per tile of --tiled-mlp (default: the model's hidden size)",
+                                  tokens=True, metavar="TOKENS")
     # --dtype, as every other verb names it (and transformers' from_pretrained): one name per concept
     dtype: str = option("auto", "the weights' dtype in training: auto (fp32 weights with bf16 mixed precision on a "
                                 "GPU, fp32 on CPU), bf16-mixed (the same on any device), bf16 (bf16 weights) or fp32",
@@ -86,6 +96,8 @@ class FinetuneConfig(JobConfig):
         from ...kernels import check_kernels_available
         from ...methods import check_spec_alone, frequency_and_attention, parse_method_spec
 
+        if self.mlp_tile is not None and self.mlp_tile <= 0:
+            raise ConfigError(f"--mlp-tile must be a positive number of tokens, got {self.mlp_tile!r}")
         for name in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(self, name)!r}")
@@ -117,3 +129,8 @@ class FinetuneConfig(JobConfig):
                 raise ConfigError("--attention-kernel fused: FlexAttention has no backward pass on a CPU; train with "
                                   "--attention-kernel tiled (auto picks it there) or on a CUDA GPU")
         check_kernels_available(self.kernels)
+        from ...train.long_sequences import check_long_sequence_options
+
+        check_long_sequence_options(offload=self.offload_activations, tiled=self.tiled_mlp,
+                                    gradient_checkpointing=self.gradient_checkpointing, sharded=False,
+                                    sequence_parallel=self.sequence_parallel)
