@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .configs import (DemoConfig, EvalConfig, ExportConfig, FinetuneConfig, InspectConfig, LmEvalConfig, PasskeyConfig,
                       SearchConfig)
+from ..hub import quiet_libraries
 from .options import JobConfig
 
 if TYPE_CHECKING:  # imported on first use (below): they import torch, and --help needs only the configs
@@ -50,6 +51,7 @@ def __getattr__(name: str) -> Any:
     run_eval`` works as before, while ``rope-patch --help`` imports only the configs."""
     if name not in _RUN_MODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    quiet_libraries()  # before the job's libraries are imported: DeepSpeed warns at its import
     module = importlib.import_module(f"{__name__}.{_RUN_MODULES[name]}")
     value = getattr(module, "finetune" if name == "run_finetune" else name)
     globals()[name] = value
