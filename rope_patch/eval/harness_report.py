@@ -148,3 +148,16 @@ def write_reports(rows: Sequence[Mapping[str, Any]], output_dir: str | Path, *,
     if plot is not None:
         files["plot"] = plot
     return files
+
+
+def tracker_steps(rows: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
+    """The table for ``--report-to``: at each length (the step; the window where a run had no length of its own),
+    each task · metric · method's score."""
+    from ..tracking import metric_key
+
+    steps: dict[int, dict[str, float]] = {}
+    for r in rows:
+        length = r["length"] if r["length"] is not None else r.get("max_length") or 0
+        if isinstance(r["value"], (int, float)):
+            steps.setdefault(int(length), {})[metric_key("lm_eval", r["task"], r["metric"], r["method"])] = r["value"]
+    return steps

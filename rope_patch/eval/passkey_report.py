@@ -207,3 +207,20 @@ def write_reports(records: Sequence[dict], output_dir: str | Path, *, settings: 
         files[f"heatmap {method}"] = plot_heatmaps(records, out / f"heatmap_{file_stem(method)}.png", [method],
                                                    title=title)
     return files
+
+
+def tracker_steps(records: Sequence[dict], native_length: int | None = None) -> dict[int, dict[str, float]]:
+    """The table for ``--report-to``: at each length (the step), each method's accuracy pooled over depths and, up to
+    the native length, its difference to none on the same prompts."""
+    from ..tracking import metric_key
+
+    steps: dict[int, dict[str, float]] = {}
+    for method, row in pooled(records, "length").items():
+        for length, (correct, trials) in row.items():
+            step = steps.setdefault(int(length), {})
+            step[metric_key("passkey_accuracy", method)] = correct / trials
+            if native_length is not None and length <= native_length:
+                paired = difference_to_reference(records, method, {"length": length})
+                if paired is not None:
+                    step[metric_key("passkey_short_cost", method)] = paired[0]
+    return steps

@@ -247,3 +247,20 @@ def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[s
                                                     native_length=native_length, title=title,
                                                     reference=position_reference(rows, max(done)))
     return files
+
+
+def tracker_steps(rows: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
+    """The table for ``--report-to``: at each length (the step), each method's perplexity and, up to the native
+    length, its short-context cost (perplexity ratio to none, minus 1)."""
+    from ..tracking import metric_key
+
+    steps: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        step = steps.setdefault(int(r["length"]), {})
+        step[metric_key("perplexity", r["method"])] = r["perplexity"]
+        ratio = r.get("ratio_to_none")
+        if ratio is not None and np.isfinite(ratio):
+            step[metric_key("short_cost", r["method"])] = ratio - 1
+    return steps

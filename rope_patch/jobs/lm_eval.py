@@ -11,7 +11,9 @@ from ..errors import ConfigError
 from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_lengths, sweep_window
 from ..eval.harness_engines import HfEngine, VllmEngine
 from ..eval.vllm_engine import require_vllm
-from ..eval.harness_report import add_difference_to_reference, format_table, short_cost_table, summarize, write_reports
+from ..eval.harness_report import (add_difference_to_reference, format_table, short_cost_table, summarize,
+                                  tracker_steps, write_reports)
+from ..tracking import report_steps
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -96,4 +98,6 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
     files = {}
     if config.output is not None:
         files = write_reports(rows, config.output, settings=settings, native_length=settings["native_length"])
+    report_steps(config.report_to, tracker_steps(rows), project="rope-patch-lm-eval", folder=config.output,
+                 config=settings)
     return LmEvalResult(rows, records, files, settings)

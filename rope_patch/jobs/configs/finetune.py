@@ -8,7 +8,8 @@ from typing import ClassVar
 from ...choices import KERNELS
 from ...errors import ConfigError
 from ..options import JobConfig, option
-from .sweep import KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
+from .sweep import (KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option, progress_option,
+                    report_to_option)
 
 
 @dataclass
@@ -78,6 +79,9 @@ class FinetuneConfig(JobConfig):
                                    metavar="N", aliases=("num_documents",))
     exclude_documents: list[str] = option([], "document ids kept out of training, e.g. those an evaluation will score "
                                               "(comma-separated)", metavar="IDS")
+    report_to: list[str] = report_to_option("send loss, learning rate and tokens/s to experiment trackers, "
+                                            "comma-separated: trackio, wandb, mlflow, tensorboard, or none (their "
+                                            "files under --output; pip install 'rope-patch[trackers]')")
     progress: bool = progress_option()
 
     def validate(self) -> None:
@@ -108,3 +112,6 @@ class FinetuneConfig(JobConfig):
             raise ConfigError("--sequence-parallel cannot use --attn-implementation eager, which builds a "
                               "whole-sequence 4D mask; use sdpa (or flash_attention_2 on GPUs)")
         check_kernels_available(self.kernels)
+        from ...tracking import check_trackers
+
+        check_trackers(self.report_to)  # a tracker not installed: one line before the model loads

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from ...choices import LM_EVAL_BACKENDS
 from ...errors import ConfigError
 from ..options import flag, option
-from .sweep import SweepConfig
+from .sweep import SweepConfig, report_to_option
 
 METADATA_EXAMPLE = '\'{"max_seq_lengths": [4096, 8192]}\''
 
@@ -47,6 +47,7 @@ class LmEvalConfig(SweepConfig):
     backend_tolerance: float | None = option(None, "--backend vllm: largest per-token |Δ log p| against hf allowed "
                                                    "on the probe (default: 1e-3 on the worst token in fp32, 2e-2 on "
                                                    "the mean in bf16/fp16)", aliases=("engine_tolerance",))
+    report_to: list[str] = report_to_option()
     output: str | None = option("runs/lm_eval", "folder for lm-eval's results JSON per method, results.jsonl "
                                                 "(resumable), summary.csv/.json and score_vs_length.png, relative to "
                                                 "the current folder (none from Python with output=None)", folder=True)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from ...errors import ConfigError
 from ..options import option
-from .sweep import SweepConfig
+from .sweep import SweepConfig, report_to_option
 
 
 @dataclass
@@ -28,6 +28,7 @@ class PasskeyConfig(SweepConfig):
     backend: str = option("hf", "what generates the answers; hf is the only one (for passkey retrieval through vLLM, "
                                 "run rope-patch lm-eval --backend vllm --tasks niah_single_1)", metavar="hf",
                           aliases=("engine",))
+    report_to: list[str] = report_to_option()
     output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots, "
                                                 "relative to the current folder (none from Python with output=None)",
                                 folder=True)
