@@ -19,6 +19,15 @@ PAGE = ROOT / "docs" / "cli_options.md"
 WIDTH = "100"  # argparse wraps help at the terminal's width: one fixed width, so the page is the same everywhere
 
 
+class _WholeWords(argparse.RawDescriptionHelpFormatter):
+    """The verbs' formatter, wrapping help between words only: ``--no-lora`` never split at its hyphen."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def cli_options() -> str:
     """The page: one section per verb holding its ``--help`` as ``rope-patch VERB --help`` prints it."""
     sys.path.insert(0, str(ROOT))
@@ -30,6 +39,7 @@ def cli_options() -> str:
         parser = build_parser()
         parts = ["<!-- written by scripts/make_cli_docs.py from the parsers; do not edit: rerun it -->\n"]
         for verb, sub in parser.verbs.items():
+            sub.formatter_class = _WholeWords
             parts.append(f"### rope-patch {verb}\n\n```text\n{sub.format_help().rstrip()}\n```\n")
     finally:
         if saved is None:
