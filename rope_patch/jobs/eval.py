@@ -17,7 +17,8 @@ from ..data import documents_fingerprint, load_documents, select_documents, toke
 from ..errors import ConfigError
 from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate
 from ..eval.window_loss import check_chunked_loss
-from ..eval.perplexity_report import REFERENCE, format_table, summarize, write_reports
+from ..eval.perplexity_report import REFERENCE, format_table, summarize, tracker_steps, write_reports
+from ..tracking import report_steps
 from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.store import open_store
@@ -150,4 +151,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     files = {}
     if config.output is not None and accelerator.is_main_process:
         files = write_reports(rows, records, config.output, settings=settings, native_length=settings["native_length"])
+    if accelerator.is_main_process:
+        report_steps(config.report_to, tracker_steps(rows), project="rope-patch-eval", folder=config.output,
+                     config=settings)
     return EvalResult(rows, records, failures, files, format_table(rows), settings, accelerator.is_main_process)

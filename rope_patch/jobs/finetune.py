@@ -35,7 +35,8 @@ from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cp
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
                                  params_sharded, resume_checkpoint, save_final_model_resumably, write_failure)
 from ..train.interrupt import StopRequest, TrainingInterrupted
-from ..train.log import TrainingLog, tensorboard
+from ..tracking import accelerate_trackers, check_trackers
+from ..train.log import TrainingLog
 from ..train.long_sequences import (check_long_sequence_options, describe, install_long_sequence_pieces,
                                     long_sequence_choice, mlp_refusal)
 from ..train.lora import add_lora, save_only_trainable_weights
@@ -82,7 +83,9 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         if config.dtype == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION"):
             mixed = None  # an `accelerate launch` config chose already
         accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
-                                  step_scheduler_with_optimizer=False, log_with=tensorboard(),
+                                  step_scheduler_with_optimizer=False,
+                                  log_with=accelerate_trackers(check_trackers(config.report_to), project="finetune",
+                                                               folder=Path(config.output)) or None,
                                   project_dir=config.output, kwargs_handlers=process_group_kwargs())
         select_fsdp_on_cpu(accelerator)
         with StopRequest() as stop, output_lock(Path(config.output), accelerator):

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..eval.passkey import KEY_FIELDS, evaluate_passkey
-from ..eval.passkey_report import format_table, short_cost_table, write_reports
+from ..eval.passkey_report import format_table, short_cost_table, tracker_steps, write_reports
+from ..tracking import report_steps
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -73,4 +74,6 @@ def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) 
     files = {}
     if config.output is not None:
         files = write_reports(records, config.output, settings=settings, native_length=settings["native_length"])
+    report_steps(config.report_to, tracker_steps(records, settings["native_length"]), project="rope-patch-passkey",
+                 folder=config.output, config=settings)
     return PasskeyResult(records, files, settings)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidParameterError, UnknownMethodError
+from ..errors import InvalidParameterError, UnknownMethodError, did_you_mean
 from ..values import parse_bool, parse_number
 
 
@@ -96,7 +96,8 @@ def available_methods() -> list[str]:
 
 def get_method(name: str) -> Method:
     if name not in METHODS:
-        raise UnknownMethodError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+        raise UnknownMethodError(f"unknown method {name!r}{did_you_mean(name, METHODS)}; known methods: "
+                                 f"{', '.join(METHODS)}")
     return METHODS[name]
 
 
@@ -135,7 +136,8 @@ def _check_names(name: str, method: Method, given: Mapping[str, Any]) -> None:
     unknown = sorted(str(key) for key in given if key not in method.params)
     if unknown:
         known = ", ".join(method.params) or "none"
-        raise InvalidParameterError(f"{name}: unknown parameter {', '.join(unknown)}; its parameters: {known}")
+        hint = did_you_mean(unknown[0], method.params) if len(unknown) == 1 else ""
+        raise InvalidParameterError(f"{name}: unknown parameter {', '.join(unknown)}{hint}; its parameters: {known}")
 
 
 def canonical_params(name: str, given: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from ...choices import ATTENTION_KERNELS, KERNELS
 from ...errors import ConfigError
 from ..options import JobConfig, option
 from .sweep import (ATTENTION_KERNEL_HELP, KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option,
-                    progress_option)
+                    progress_option, report_to_option)
 
 
 @dataclass
@@ -90,6 +90,9 @@ class FinetuneConfig(JobConfig):
                                    metavar="N", aliases=("num_documents",))
     exclude_documents: list[str] = option([], "document ids kept out of training, e.g. those an evaluation will score "
                                               "(comma-separated)", metavar="IDS")
+    report_to: list[str] = report_to_option("send loss, learning rate and tokens/s to experiment trackers, "
+                                            "comma-separated: trackio, wandb, mlflow, tensorboard, or none (their "
+                                            "files under --output; pip install 'rope-patch[trackers]')")
     progress: bool = progress_option()
 
     def validate(self) -> None:
@@ -134,3 +137,6 @@ class FinetuneConfig(JobConfig):
         check_long_sequence_options(offload=self.offload_activations, tiled=self.tiled_mlp,
                                     gradient_checkpointing=self.gradient_checkpointing, sharded=False,
                                     sequence_parallel=self.sequence_parallel)
+        from ...tracking import check_trackers
+
+        check_trackers(self.report_to)  # a tracker not installed: one line before the model loads

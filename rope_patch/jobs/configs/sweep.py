@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ...choices import AS_LOADED, ATTENTION_KERNELS, KERNELS
+from ...choices import AS_LOADED, ATTENTION_KERNELS, KERNELS, REPORT_TO
 from ...errors import ConfigError
 from ..options import JobConfig, option
 
@@ -43,6 +43,16 @@ def model_option(help: str = MODEL_HELP, **kwargs: Any) -> Any:
     """``--model``: a hub id or local folder; a local-looking path that does not exist is refused when the config is
     built, before any hub lookup."""
     return option(None, help, model=True, **kwargs)
+
+
+REPORT_TO_HELP = ("send the run's figures to experiment trackers, comma-separated: trackio, wandb, mlflow, "
+                  "tensorboard, or none (their files under --output; pip install 'rope-patch[trackers]')")
+
+
+def report_to_option(help: str = REPORT_TO_HELP) -> Any:
+    """``--report-to``: the trackers a job reports to (accelerate's), the same option on finetune and every
+    evaluation."""
+    return option(["none"], help, choices=REPORT_TO, metavar="TRACKERS")
 
 
 def progress_option() -> Any:
@@ -82,6 +92,10 @@ class SweepConfig(JobConfig):
         from ...loading import check_offload, parse_device_map
 
         method_entries(None, self.method)  # a typo fails before anything is loaded
+        if hasattr(self, "report_to"):
+            from ...tracking import check_trackers
+
+            check_trackers(self.report_to)  # a tracker not installed: one line now, not after the run
         check_kernels_available(self.kernels)
         check_offload(parse_device_map(self.device_map), self.offload_folder)
         if self.sequence_parallel < 1:
