@@ -44,16 +44,28 @@ DISK_FULL_REASONS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: 
                      errno.EFBIG: "the file size limit (ulimit -f) is reached"}
 
 
+SHORT_WRITE = re.compile(r"(\d+) requested and (\d+) written")  # numpy's tofile on a full disk: no errno
+
+
+def error_number(error: OSError) -> int | None:
+    """``error``'s system error number; ENOSPC for numpy's short write ("552960 requested and 442208 written"), which
+    carries none (a write the file system cut short is a full disk, a quota, or a file size limit)."""
+    if error.errno is None and SHORT_WRITE.search(str(error)):
+        return errno.ENOSPC
+    return error.errno
+
+
 def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> DiskFullError | None:
     """The one-line error for a write that found the disk (or quota, or file size limit) full; None for other errors."""
-    if error.errno not in DISK_FULL:
+    number = error_number(error)
+    if number not in DISK_FULL:
         return None
     path = Path(path)
     try:
         free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
     except OSError:
         free = "free space unknown"
-    reason = DISK_FULL_REASONS[error.errno]
+    reason = DISK_FULL_REASONS[number]
     return DiskFullError(f"cannot write {path.name} in {path.parent}: {reason} ({free}; at least {needed:,} more "
                          "bytes needed); finished results are kept: free some space and rerun the same command "
                          "to resume")
@@ -67,7 +79,7 @@ def write_error_number(error: BaseException, path: str | os.PathLike, needed: in
     ``SafetensorError`` and torch's ``RuntimeError`` carry the number in their message ("(os error 28)"), or fail
     while the disk has less free space left than the write needs (ENOSPC then). None: not a failed write (a bug)."""
     if isinstance(error, OSError):
-        return error.errno
+        return error_number(error)
     if type(error).__name__ not in ("SafetensorError", "RuntimeError"):
         return None
     found = OS_ERROR_NUMBER.search(str(error))

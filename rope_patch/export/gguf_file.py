@@ -76,20 +76,24 @@ class _Damaged(Exception):
 
 
 class _Cursor:
-    def __init__(self, data: memoryview, order: str):
-        self.data, self.order, self.at = data, order, 0
+    """Reads through a mapped file, every length checked against the bytes left before it is used."""
 
-    def take(self, n: int, what: str) -> memoryview:
-        if n < 0 or self.at + n > len(self.data):
-            raise _Damaged(f"{what} at byte {self.at:,} runs past the end of the file ({len(self.data):,} bytes): "
+    def __init__(self, data: mmap.mmap, size: int, order: str):
+        self.data, self.size, self.order, self.at = data, size, order, 0
+
+    def skip(self, n: int, what: str) -> int:
+        if n < 0 or self.at + n > self.size:
+            raise _Damaged(f"{what} at byte {self.at:,} runs past the end of the file ({self.size:,} bytes): "
                            "the file is cut short or its header is damaged")
-        chunk = self.data[self.at:self.at + n]
         self.at += n
-        return chunk
+        return self.at - n
+
+    def take(self, n: int, what: str) -> bytes:
+        start = self.skip(n, what)
+        return self.data[start:start + n]  # a copy, of a length checked against the file
 
     def number(self, code: str, what: str) -> Any:
-        size = struct.calcsize(code)
-        return struct.unpack(self.order + code, self.take(size, what))[0]
+        return struct.unpack_from(self.order + code, self.data, self.skip(struct.calcsize(code), what))[0]
 
     def string(self, what: str, limit: int | None = None) -> str:
         length = self.number("Q", f"the length of {what}")
@@ -98,12 +102,12 @@ class _Cursor:
                            "damaged")
         raw = self.take(length, what)
         try:
-            return bytes(raw).decode("utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise _Damaged(f"{what} at byte {self.at - length:,} is not UTF-8 text") from None
 
     def left(self) -> int:
-        return len(self.data) - self.at
+        return self.size - self.at
 
 
 def _value(cursor: _Cursor, kind: int, what: str) -> Any:
@@ -115,12 +119,12 @@ def _value(cursor: _Cursor, kind: int, what: str) -> Any:
         sub = cursor.number("I", f"the element type of {what}")
         count = cursor.number("Q", f"the length of {what}")
         if sub in SCALARS:
-            cursor.take(count * SCALARS[sub][2], what)  # checked against the bytes left, not read
+            cursor.skip(count * SCALARS[sub][2], what)  # checked against the bytes left, not read
         elif sub == STRING:
             if count * 8 > cursor.left():
                 raise _Damaged(f"{what} claims {count:,} strings, more than the {cursor.left():,} bytes left hold")
             for _ in range(count):
-                cursor.take(cursor.number("Q", f"a string's length in {what}"), what)
+                cursor.skip(cursor.number("Q", f"a string's length in {what}"), what)
         else:
             raise _Damaged(f"{what} is an array of {_type_name(sub)}, which GGUF does not have"
                            + (" (nested arrays are not read by llama.cpp)" if sub == ARRAY else ""))
@@ -149,11 +153,7 @@ def scan_gguf(path: str | os.PathLike, where: str) -> GgufLayout:
             if size < 24:
                 raise _Damaged(f"it is {size} bytes long, shorter than a GGUF header (24 bytes)")
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    return _scan(path, view, size)
-                finally:
-                    view.release()
+                return _scan(path, mapped, size)
     except _Damaged as damage:
         raise ConfigError(f"{where}: not a GGUF file llama.cpp reads: {damage}; give an undamaged .gguf file "
                           "(download or convert it again)") from None
@@ -162,16 +162,16 @@ def scan_gguf(path: str | os.PathLike, where: str) -> GgufLayout:
         raise ConfigError(f"{where}: cannot read {path} ({why}); give a readable .gguf file") from None
 
 
-def _scan(path: Path, view: memoryview, size: int) -> GgufLayout:
-    if bytes(view[:4]) != MAGIC:
-        raise _Damaged(f"it starts with {bytes(view[:4])!r}, not the GGUF magic {MAGIC!r}")
+def _scan(path: Path, view: mmap.mmap, size: int) -> GgufLayout:
+    if view[:4] != MAGIC:
+        raise _Damaged(f"it starts with {view[:4]!r}, not the GGUF magic {MAGIC!r}")
     order = "<"
     version = struct.unpack("<I", view[4:8])[0]
     if version not in VERSIONS and struct.unpack(">I", view[4:8])[0] in VERSIONS:
         order, version = ">", struct.unpack(">I", view[4:8])[0]
     if version not in VERSIONS:
         raise _Damaged(f"GGUF version {version}; llama.cpp reads versions {VERSIONS[0]} and {VERSIONS[1]}")
-    cursor = _Cursor(view, order)
+    cursor = _Cursor(view, size, order)
     cursor.at = 8
     tensor_count = cursor.number("Q", "the tensor count")
     key_count = cursor.number("Q", "the key count")
@@ -234,17 +234,10 @@ def _scan(path: Path, view: memoryview, size: int) -> GgufLayout:
     return layout
 
 
-def tensor_bytes(mapped: memoryview, layout: GgufLayout, info: GgufTensorInfo) -> memoryview:
-    """The raw bytes of one tensor (checked in bounds by ``scan_gguf``)."""
+def tensor_bytes(mapped, layout: GgufLayout, info: GgufTensorInfo):
+    """The raw bytes of one tensor (checked in bounds by ``scan_gguf``) of the file's ``numpy.memmap``."""
     start = layout.data_start + info.offset
     return mapped[start:start + info.nbytes]
-
-
-def _same(a: memoryview, b: memoryview) -> bool:
-    """Byte equality of two mapped regions without copying them."""
-    import numpy as np
-
-    return len(a) == len(b) and bool(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
 
 
 def verify_written(path: str | os.PathLike, source: GgufLayout, keys: dict[str, tuple[int, Any]],
@@ -267,23 +260,18 @@ def verify_written(path: str | os.PathLike, source: GgufLayout, keys: dict[str, 
         if stated is None or stated != (kind, value):
             raise ConfigError(f"{where}: the file written has {name} = {stated and stated[1]!r}, not {value!r}; "
                               "nothing was exported")
-    with open(source.path, "rb") as old_file, open(path, "rb") as new_file:
-        with mmap.mmap(old_file.fileno(), 0, access=mmap.ACCESS_READ) as old_map, \
-                mmap.mmap(new_file.fileno(), 0, access=mmap.ACCESS_READ) as new_map:
-            old_view, new_view = memoryview(old_map), memoryview(new_map)
-            try:
-                for info in source.tensors:
-                    if info.name in dropped:
-                        continue
-                    copy = got[info.name]
-                    if (copy.type, copy.shape) != (info.type, info.shape) or not _same(
-                            tensor_bytes(new_view, written, copy), tensor_bytes(old_view, source, info)):
-                        raise ConfigError(f"{where}: the tensor {info.name} in the file written differs from the "
-                                          "source's; nothing was exported")
-                for name, data in new_tensors.items():
-                    if not _same(tensor_bytes(new_view, written, got[name]), memoryview(data)):
-                        raise ConfigError(f"{where}: the tensor {name} in the file written is not the one computed; "
-                                          "nothing was exported")
-            finally:
-                old_view.release()
-                new_view.release()
+    import numpy as np
+
+    old_map, new_map = np.memmap(source.path, np.uint8, "r"), np.memmap(path, np.uint8, "r")
+    for info in source.tensors:
+        if info.name in dropped:
+            continue
+        copy = got[info.name]
+        if (copy.type, copy.shape) != (info.type, info.shape) or not np.array_equal(
+                tensor_bytes(new_map, written, copy), tensor_bytes(old_map, source, info)):
+            raise ConfigError(f"{where}: the tensor {info.name} in the file written differs from the source's; "
+                              "nothing was exported")
+    for name, data in new_tensors.items():
+        if not np.array_equal(tensor_bytes(new_map, written, got[name]), np.frombuffer(data, np.uint8)):
+            raise ConfigError(f"{where}: the tensor {name} in the file written is not the one computed; nothing was "
+                              "exported")
