@@ -55,6 +55,25 @@ def error_number(error: OSError) -> int | None:
     return error.errno
 
 
+NAME_MAX = 255  # bytes per name in a path (ext4, xfs, btrfs, tmpfs, APFS, NTFS: 255)
+PATH_MAX = 4096  # bytes in a whole path (Linux's PATH_MAX)
+
+
+def check_path_length(path: str | os.PathLike, what: str) -> None:
+    """Refuse in one line a path the file system cannot hold (a name over ``NAME_MAX`` bytes, the whole over
+    ``PATH_MAX``), naming ``what`` gave it (``--output``): otherwise the first stat or open of it fails with
+    ENAMETOOLONG, after a model has loaded."""
+    encoded = os.fsencode(path)
+    longest = max((len(part) for part in encoded.split(b"/")), default=0)
+    if longest > NAME_MAX:
+        name = next(part for part in encoded.split(b"/") if len(part) == longest)
+        raise ConfigError(f"{what} {os.fsdecode(name[:24])}...: a name in the path is {longest:,} bytes long, more "
+                          f"than file systems allow ({NAME_MAX}); give a shorter name")
+    if len(encoded) > PATH_MAX:
+        raise ConfigError(f"{what} {os.fsdecode(encoded[:24])}...: the path is {len(encoded):,} bytes long, more than "
+                          f"the system allows ({PATH_MAX}); give a shorter path")
+
+
 def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> DiskFullError | None:
     """The one-line error for a write that found the disk (or quota, or file size limit) full; None for other errors."""
     number = error_number(error)

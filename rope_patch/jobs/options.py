@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import yaml
 
 from ..errors import ConfigError
-from ..files import atomic_write
+from ..files import atomic_write, check_path_length
 from ..hub import check_model_name
 from ..values import parse_bool, parse_number
 
@@ -79,6 +79,8 @@ def _checked_text(name: str, value: str, meta: Mapping[str, Any]) -> str:
     the job would fail on it only after its first result."""
     if "\0" in value:
         raise ConfigError(f"{flag(name)} {value!r} holds a NUL character; give the value without it")
+    if not meta.get("spec"):  # a file, folder, model or data set name: as long as a path can be (specs are longer)
+        check_path_length(value, flag(name))
     if meta.get("folder") and os.path.lexists(value) and not os.path.isdir(value):
         raise ConfigError(f"{flag(name)} {value!r} is a file, and the job writes a folder there; give a folder")
     return value
@@ -222,6 +224,7 @@ class JobConfig:
     @classmethod
     def read_yaml(cls, path: str | Path) -> dict[str, Any]:
         """The option values of a YAML config file, keys checked against the fields (``seq-len`` = ``seq_len``)."""
+        check_path_length(path, "--config")
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; see the files under configs/")
