@@ -74,6 +74,23 @@ def check_path_length(path: str | os.PathLike, what: str) -> None:
                           f"the system allows ({PATH_MAX}); give a shorter path")
 
 
+def read_small_text(path: str | os.PathLike, what: str, limit: int = 2**20) -> str:
+    """A small text file a user points to (a device map, a spec), read with a size bound and checked as UTF-8, or
+    ``ConfigError`` in one line starting with ``what``."""
+    check_path_length(path, what)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as error:
+        raise ConfigError(f"{what} {os.fspath(path)!r}: cannot read it ({error.strerror})") from None
+    if len(raw) > limit:
+        raise ConfigError(f"{what} {os.fspath(path)!r}: larger than {limit:,} bytes, too large for what it holds")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{what} {os.fspath(path)!r}: not UTF-8 text (byte {error.start})") from None
+
+
 def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> DiskFullError | None:
     """The one-line error for a write that found the disk (or quota, or file size limit) full; None for other errors."""
     number = error_number(error)

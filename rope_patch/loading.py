@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import cache_dir, check_model_name, progress_bars, quiet_hub_requests
+from .files import read_small_text
 from .patching import restore_saved_patch, set_native_length
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -69,11 +70,13 @@ def parse_device_map(value: DeviceMap | os.PathLike | None) -> DeviceMap | None:
         if not Path(text).is_file():
             raise ConfigError(f"--device-map {text!r}: give {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON object of "
                               "module name -> device, or a file holding one")
-        source, text = text, Path(text).read_text()
+        source, text = text, read_small_text(text, "--device-map")
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError(f"{source}: not a JSON object of module name -> device ({error})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nests too deeply to be a device map") from None
     return _checked_map(parsed, source)
 
 

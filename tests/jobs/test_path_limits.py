@@ -49,3 +49,20 @@ def test_a_name_too_long_is_one_line_naming_the_option(tmp_path, capsys, argv, s
     err = capsys.readouterr().err.strip()
     assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert said in err and ("bytes long" in err or said == "no such folder")
+
+
+@pytest.mark.parametrize("content, said", [(b"\xff\xfe{}", "not UTF-8"), (b"[" * 100_000, "nests too deeply"),
+                                           (b" " * (2**20 + 1), "too large"),
+                                           (b'{"model": "cpu"}', None)])
+def test_a_device_map_file_is_read_bounded_and_checked(tmp_path, content, said):
+    """A ``--device-map FILE`` that is binary, deep or huge: one line (tracebacks before: UnicodeDecodeError,
+    RecursionError; a huge file read whole)."""
+    from rope_patch.loading import parse_device_map
+
+    path = tmp_path / "map.json"
+    path.write_bytes(content)
+    if said is None:
+        assert parse_device_map(str(path)) == {"model": "cpu"}
+        return
+    with pytest.raises(ConfigError, match=said):
+        parse_device_map(str(path))
