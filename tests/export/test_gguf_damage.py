@@ -22,7 +22,7 @@ from test_gguf_retag import synthetic_gguf, tensors
 from rope_patch.cli import main
 from rope_patch.errors import ConfigError, RopePatchError
 from rope_patch.export.gguf import plan_retag, retag_gguf
-from rope_patch.export.gguf_file import scan_gguf
+from rope_patch.gguf_file import scan_gguf
 
 NATIVE = 64
 
@@ -249,3 +249,16 @@ def test_a_full_disk_during_a_retag_is_one_line(tmp_path):
     assert full["code"] == 2 and "Traceback" not in full["stderr"], full["stderr"][-3000:]
     assert "no space left on the device" in full["stderr"].strip().splitlines()[-1]
     assert full["files"] == {}
+
+
+def test_a_damaged_embedded_model_file_is_one_line_before_conversion(tmp_path, monkeypatch):
+    """The embedded model's GGUF, cut short (a damaged install): one line naming the reinstall, before transformers
+    reads it."""
+    import rope_patch.loading as loading
+
+    cut = tmp_path / "cut.gguf"
+    with open(loading.default_gguf_path(), "rb") as whole:
+        cut.write_bytes(whole.read(200_000))
+    monkeypatch.setattr(loading, "default_gguf_path", lambda: cut)
+    with pytest.raises(ConfigError, match="embedded model's file .*reinstall it.*not a GGUF file llama.cpp reads"):
+        loading.default_model_dir()

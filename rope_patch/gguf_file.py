@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
