@@ -253,13 +253,7 @@ def verify_written(path: str | os.PathLike, source: GgufLayout, keys: dict[str, 
         extra = sorted(set(got) - set(expected))[:3]
         raise ConfigError(f"{where}: the file written holds {len(got)} tensors, not the {len(expected)} meant "
                           f"(missing {missing}, unexpected {extra}); nothing was exported")
-    for name, (kind, value) in keys.items():
-        stated = written.keys.get(name)
-        if kind in SCALARS and not isinstance(value, bool):  # the value as the type stores it (float32 rounding)
-            value = struct.unpack(SCALARS[kind][1], struct.pack(SCALARS[kind][1], value))[0]
-        if stated is None or stated != (kind, value):
-            raise ConfigError(f"{where}: the file written has {name} = {stated and stated[1]!r}, not {value!r}; "
-                              "nothing was exported")
+    _check_keys(written, keys, where)
     import numpy as np
 
     old_map, new_map = np.memmap(source.path, np.uint8, "r"), np.memmap(path, np.uint8, "r")
@@ -275,3 +269,41 @@ def verify_written(path: str | os.PathLike, source: GgufLayout, keys: dict[str, 
         if not np.array_equal(tensor_bytes(new_map, written, got[name]), np.frombuffer(data, np.uint8)):
             raise ConfigError(f"{where}: the tensor {name} in the file written is not the one computed; nothing was "
                               "exported")
+
+
+def tensor_digest(data) -> str:
+    """The SHA-256 of a tensor's bytes (an array or a mapped region)."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data).hexdigest()
+
+
+def verify_digests(path: str | os.PathLike, expected: dict[str, str], keys: dict[str, tuple[int, Any]],
+                   where: str) -> None:
+    """Re-read a GGUF just written and refuse it unless it holds exactly the tensors ``expected`` (name → SHA-256 of
+    the bytes meant) and the ``keys`` (name → (type, value)): the check of a file written from arrays."""
+    import numpy as np
+
+    written = scan_gguf(path, f"{where} (the file just written)")
+    got = {t.name: t for t in written.tensors}
+    if sorted(got) != sorted(expected):
+        raise ConfigError(f"{where}: the file written holds {len(got)} tensors, not the {len(expected)} meant; nothing "
+                          "was exported")
+    _check_keys(written, keys, where)
+    mapped = np.memmap(path, np.uint8, "r")
+    for name, digest in expected.items():
+        if tensor_digest(tensor_bytes(mapped, written, got[name])) != digest:
+            raise ConfigError(f"{where}: the tensor {name} in the file written is not the one meant; nothing was "
+                              "exported")
+
+
+def _check_keys(written: GgufLayout, keys: dict[str, tuple[int, Any]], where: str) -> None:
+    for name, (kind, value) in keys.items():
+        stated = written.keys.get(name)
+        if kind in SCALARS and not isinstance(value, bool):  # the value as the type stores it (float32 rounding)
+            value = struct.unpack(SCALARS[kind][1], struct.pack(SCALARS[kind][1], value))[0]
+        if stated is None or stated != (kind, value):
+            raise ConfigError(f"{where}: the file written has {name} = {stated and stated[1]!r}, not {value!r}; "
+                              "nothing was exported")

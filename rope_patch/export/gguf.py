@@ -39,7 +39,7 @@ from ..methods import RopeBase, compute_frequencies, default_inv_freq, frequency
 from ..methods import parse_method_spec, resolve_params, yarn_attention_factor
 from ..methods.registry import MAX_POSITION
 from .. import gguf_file
-from ..gguf_file import scan_gguf, verify_written
+from ..gguf_file import scan_gguf, tensor_digest, verify_digests, verify_written
 from .engines import GGUF_ARCHITECTURES, LLAMA_CPP_ARCHITECTURES, ServedRope, gguf_carrier, rope_settings, served_rope
 from .engines import serving_settings
 
@@ -148,13 +148,14 @@ def write_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, dtype: s
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-    for key, value in plan.keys.items():
-        _add(writer, gguf, f"{arch}.{key}", value)
+    keys = {f"{arch}.{key}": (_add(writer, gguf, f"{arch}.{key}", value), value) for key, value in plan.keys.items()}
+    digests: dict[str, str] = {}  # what each tensor's bytes must be once written
     for f in fields:
         _copy_field(writer, gguf, f)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     for name, tensor in plan.tensors.items():
         writer.add_tensor(name, tensor)
+        digests[name] = tensor_digest(tensor)
     for name, weight in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -169,11 +170,14 @@ def write_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, dtype: s
         array = data.numpy()
         if dtype == "f16" and array.ndim == 2:  # norms stay f32, as the converter keeps 1-D tensors
             array = array.astype(np.float16)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        array = np.ascontiguousarray(array)
+        writer.add_tensor(gguf_name, array)
+        digests[gguf_name] = tensor_digest(array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    verify_digests(path, digests, keys, "llama.cpp export")  # exit 0 never covers a broken file
     return plan
 
 

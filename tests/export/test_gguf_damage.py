@@ -262,3 +262,27 @@ def test_a_damaged_embedded_model_file_is_one_line_before_conversion(tmp_path, m
     monkeypatch.setattr(loading, "default_gguf_path", lambda: cut)
     with pytest.raises(ConfigError, match="embedded model's file .*reinstall it.*not a GGUF file llama.cpp reads"):
         loading.default_model_dir()
+
+
+def test_a_model_export_whose_file_is_not_what_was_meant_is_refused(tmp_path, monkeypatch):
+    """``write_gguf`` (a model written as GGUF) re-reads its file: a byte changed after the writer closed it (what a
+    writer bug or a failing disk would leave) is refused; the untouched file passes."""
+    from tiny_models import build_model, tiny_llama_config
+
+    from rope_patch.export.gguf import write_gguf
+
+    model = build_model(tiny_llama_config())
+    write_gguf(model, None, tmp_path / "good.gguf", tokenizer_fields=[])  # the control
+    original = gguf.GGUFWriter.close
+
+    def close_then_damage(self):
+        path = self.path
+        original(self)
+        if path is not None and Path(path).exists():
+            data = bytearray(Path(path).read_bytes())
+            data[-40] ^= 0x10  # inside the last tensor's data
+            Path(path).write_bytes(bytes(data))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "close", close_then_damage)
+    with pytest.raises(ConfigError, match="in the file written is not the one meant"):
+        write_gguf(model, None, tmp_path / "bad.gguf", tokenizer_fields=[])
