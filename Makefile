@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-slow docs demo demo-full bench check-engines clean vllm-env
+.PHONY: install test test-slow docs demo demo-full bench check-engines check-gpu gpu-wheels clean vllm-env
 
 install: $(STAMP)
 
@@ -65,6 +65,17 @@ check-engines: $(STAMP) vllm-env
 	$(PY) scripts/check_engines.py --engine llama.cpp-retag
 	$(PY) -m pytest -q -m engines tests/export
 	$(PY) scripts/check_engines.py --engine vllm
+
+# On a CUDA machine (no internet, project on PYTHONPATH): the CUDA tests, bench_eval at 32k (none, Self-Extend, DCA) and
+# bench_finetune from 16k until out of memory, each stage with its own timeout, in under 9 minutes; one table, and
+# runs/check_gpu/<time>.json. CHECK_GPU_DRY=1 rehearses it on CPU with tiny shapes. docs/gpu-check.md.
+check-gpu:
+	PYTHON=$(PYTHON) bash scripts/check_gpu.sh
+
+# The wheels check-gpu installs there (what it needs beyond torch, transformers, accelerate, peft), downloaded here
+# at this environment's versions for CPython 3.12 into gpu-wheels/ (~38 MiB, under the 64 MiB a transfer takes).
+gpu-wheels: $(STAMP)
+	$(PY) scripts/gpu_wheels.py download gpu-wheels
 
 clean:
 	rm -rf $(VENV) .pytest_cache site

@@ -15,7 +15,10 @@ AS_LOADED = "as-loaded"  # a method spec: the model as loaded, with whatever sca
 
 PROTOCOLS = ("truncate", "sliding", "disjoint")  # how documents become scored windows (eval/windows.py)
 KERNELS = ("none", "liger")  # --kernels (kernels.py)
+# --attention-kernel: how the attention-level methods run (patching/flex.py): fused on CUDA, tiled elsewhere, or forced
+ATTENTION_KERNELS = ("auto", "fused", "tiled")
 SERVING_ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")  # rope-patch export --engine (export/engines.py)
-LM_EVAL_ENGINES = ("hf", "vllm")  # what scores the patched model for lm-eval (eval/harness_engines.py)
+LM_EVAL_BACKENDS = ("hf", "vllm")  # lm-eval --backend: what scores the patched model (eval/harness_engines.py)
+REPORT_TO = ("none", "trackio", "wandb", "mlflow", "tensorboard")  # --report-to: live dashboards (tracking.py)
 GGUF_DTYPES = ("f32", "f16")  # the weights' type in a GGUF file (export/gguf.py)
 DEMO_GRIDS = ("auto", "full", "medium", "small", "minimal")  # auto, then demo_plan.PLANS' names, largest first

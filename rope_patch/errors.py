@@ -5,6 +5,16 @@ not exist, a data set with no document long enough) raises a subclass of ``RopeP
 a ``ValueError``. The command line prints its message on one line and exits with status 2.
 """
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(given: str, known: Iterable[str]) -> str:
+    """``" (did you mean yarn?)"`` for ``yran`` among ``known``, the one suggestion every refusal of a name gives
+    (flags, YAML keys, Python keywords, method names); "" if none is close."""
+    close = difflib.get_close_matches(str(given), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
 
 class RopePatchError(ValueError):
     """Bad input: the message names the problem and the fix."""
@@ -55,7 +65,7 @@ class EngineUnsupportedError(RopePatchError):
 
 class EngineMismatchError(RopePatchError):
     """A serving engine whose log-probabilities on the probe differ from the patched transformers model's beyond the
-    tolerance: its scores would not be the method's; the message gives the figure and points to ``--engine hf``."""
+    tolerance: its scores would not be the method's; the message gives the figure and points to ``--backend hf``."""
 
 
 class DiskFullError(RopePatchError):

@@ -190,3 +190,34 @@ class _DropMessage:
 
     def filter(self, record: Any) -> bool:
         return self.text not in record.getMessage()
+
+
+# DeepSpeed picks its accelerator at import and, finding none, warns "Setting accelerator to CPU" on every machine
+# without a GPU: transformers' save_pretrained and accelerate import it for jobs that never use it. Where nothing it
+# could find is here, DS_ACCELERATOR=cpu is its own answer, given before the import, without the warning.
+_DEEPSPEED_ACCELERATOR_PACKAGES = ("habana_frameworks", "torch_mlu", "torch_supa", "torch_xmlir", "torch_npu",
+                                   "torch_sdaa", "intel_extension_for_pytorch")
+# accelerate's save removes the tied output head's second name from a state dict and warns, for every model whose head
+# shares the input embeddings (tie_word_embeddings): the saved folder reloads tied, as it should.
+_TIED_HEAD_SAVED = _DropMessage("Removed shared tensor {'lm_head.weight'} while saving")
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' messages a user cannot act on off the terminal: DeepSpeed's accelerator line where there
+    is no accelerator, accelerate's shared-tensor line for a tied output head. ``ROPE_PATCH_VERBOSE=1`` shows them.
+    Called before a job's run function is imported (``rope_patch.jobs``); idempotent."""
+    if os.environ.get("ROPE_PATCH_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return
+    import importlib.util
+    import logging
+
+    import torch
+
+    accelerator = (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+                   or torch.backends.mps.is_available()
+                   or any(importlib.util.find_spec(name) for name in _DEEPSPEED_ACCELERATOR_PACKAGES))
+    if not accelerator:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    logger = logging.getLogger("accelerate.utils.other")
+    if _TIED_HEAD_SAVED not in logger.filters:
+        logger.addFilter(_TIED_HEAD_SAVED)

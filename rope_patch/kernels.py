@@ -13,6 +13,11 @@ instance-level forward that swaps the name in for the duration of its own call (
 checkpointing included). The kernel applies the ``cos``/``sin`` that the rotary module produces, so a rope_patch
 patch (which rewrites the rotary module's frequencies) is kept. ``remove_kernels`` restores the instance exactly.
 
+Each family gets the kernels Liger's own function turns on by default (``liger_options``): a switch that defaults to
+off marks a kernel Liger lacks there (GLM-4's RoPE, whose switch raises NotImplementedError), so that kernel is left
+out and one line on stderr says so. Any other error raised inside liger-kernel's patching becomes one
+``KernelsUnavailableError`` line, with the model and transformers put back as they were.
+
 Without a GPU, Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before liger-kernel is imported) runs
 the kernels on CPU tensors, slowly: for checking, not for speed. There the RoPE kernel and the fused linear
 cross-entropy run and are exact; RMSNorm and the gated MLPs fail inside the interpreter (Liger calls ``.to`` on a scalar
@@ -43,12 +48,16 @@ STATE_ATTR = "_rope_patch_kernels"
 INSTALL_HINT = "pip install 'rope-patch[liger]'"
 INTERPRETER = "TRITON_INTERPRET"
 _MISSING = object()
-# Every Liger kernel except the fused loss, which rope_patch's own loss calls (see liger_head_loss).
-LIGER_OPTIONS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
-                 "fused_linear_cross_entropy": False}
+# The kernels Liger's patch function turns on for the family (its defaults: a switch that defaults to off is a kernel
+# Liger does not offer there, e.g. GLM-4's RoPE, whose switch raises NotImplementedError), except the losses:
+# rope_patch's own loss calls the fused one (see liger_head_loss).
+LIGER_OPTIONS = {"cross_entropy": False, "fused_linear_cross_entropy": False}
+# The kernels rope_patch names when Liger's function for a family leaves them off by default.
+EXPECTED_KERNELS = ("rope", "rms_norm", "swiglu")
 # The kernels of Liger's patch functions that run in Triton's interpreter (with the fused loss of liger_head_loss).
 INTERPRETER_OPTIONS = ("rope",)
-KERNEL_LABELS = {"rms_norm": "RMSNorm", "swiglu": "SwiGLU MLP", "geglu": "GeGLU MLP", "layer_norm": "LayerNorm",
+KERNEL_LABELS = {"rope": "RoPE application", "rms_norm": "RMSNorm", "swiglu": "SwiGLU MLP", "geglu": "GeGLU MLP",
+                 "layer_norm": "LayerNorm",
                  "relu_squared": "ReLU² MLP"}
 
 
@@ -61,14 +70,24 @@ class KernelState:
     changes: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, old value or _MISSING)
     rope_modules: int = 0
     left_out: tuple[str, ...] = ()  # Liger's option names of the kernels Triton's interpreter cannot run
+    missing: tuple[str, ...] = ()  # those Liger's function for this family leaves off (it has none that fits)
 
     def __str__(self) -> str:
         rope = f"RoPE application in {self.rope_modules} attention modules" if self.rope_modules else "no RoPE kernel"
+        missing = ""
+        if self.missing:
+            missing = (f"; liger-kernel has no {', '.join(_labels(self.missing))} kernel for {self.family}: "
+                       "transformers' own code runs there (with the patched frequencies)")
         if not self.left_out:
-            return f"{self.name} kernels on {self.family}: RMSNorm, gated MLP, {rope}, fused linear cross-entropy in training"
-        left_out = ", ".join(KERNEL_LABELS.get(option, option) for option in self.left_out)
+            return (f"{self.name} kernels on {self.family}: RMSNorm, gated MLP, {rope}, fused linear cross-entropy in "
+                    f"training{missing}")
         return (f"{self.name} kernels on {self.family} in Triton's interpreter (CPU, slow: for checking, not speed): "
-                f"{rope}, fused linear cross-entropy in training; left out: {left_out} (they fail in the interpreter)")
+                f"{rope}, fused linear cross-entropy in training; left out: {', '.join(_labels(self.left_out))} "
+                f"(they fail in the interpreter){missing}")
+
+
+def _labels(options: tuple[str, ...]) -> list[str]:
+    return [KERNEL_LABELS.get(option, option) for option in options]
 
 
 def kernel_choice(name: str | None) -> str | None:
@@ -151,24 +170,40 @@ def apply_kernels(model: nn.Module, name: str | None) -> KernelState | None:
         raise KernelsUnavailableError(
             f"liger-kernel has no kernels for model type {family!r} ({type(base).__name__}); it covers "
             f"{', '.join(sorted(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN))}: run without --kernels")
-    accepted = inspect.signature(apply_fn).parameters
-    options = {k: v for k, v in LIGER_OPTIONS.items() if k in accepted}
-    left_out: tuple[str, ...] = ()
-    if interpreter:  # every kernel switch off but those the interpreter runs
-        switches = {k: options.get(k, p.default) for k, p in accepted.items() if isinstance(p.default, bool)}
-        left_out = tuple(k for k, on in switches.items() if on and k not in INTERPRETER_OPTIONS)
-        options = {k: k in INTERPRETER_OPTIONS for k in switches}
-    state = apply_instance_patch(base, lambda: apply_fn(model=base, **options), name, family)
-    state.left_out = left_out
-    if left_out:
+    options, left_out, missing = liger_options(apply_fn, interpreter)
+    try:  # on any failure apply_instance_patch has put the model and transformers back as they were
+        state = apply_instance_patch(base, lambda: apply_fn(model=base, **options), name, family)
+    except Exception as error:
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise KernelsUnavailableError(
+            f"liger-kernel could not patch this {family} model ({type(base).__name__}): {type(error).__name__}: "
+            f"{reason} (the model is unchanged): run without --kernels") from error
+    state.left_out, state.missing = left_out, missing
+    if left_out or missing:
         print(state, file=sys.stderr)
     return state
+
+
+def liger_options(apply_fn: Callable, interpreter: bool) -> tuple[dict[str, bool], tuple[str, ...], tuple[str, ...]]:
+    """The switches to call Liger's ``apply_fn`` with: its own defaults but the losses (LIGER_OPTIONS), and in Triton's
+    interpreter only those it runs. Also the kernels left out for the interpreter, and those Liger leaves off for this
+    family by default (EXPECTED_KERNELS it has none for: turning them on raises or patches the wrong function)."""
+    defaults = {k: p.default for k, p in inspect.signature(apply_fn).parameters.items() if isinstance(p.default, bool)}
+    options = {k: on and LIGER_OPTIONS.get(k, True) for k, on in defaults.items()}
+    missing = tuple(k for k in EXPECTED_KERNELS if defaults.get(k) is False)
+    left_out: tuple[str, ...] = ()
+    if interpreter:  # every kernel switch off but those the interpreter runs
+        left_out = tuple(k for k, on in options.items() if on and k not in INTERPRETER_OPTIONS)
+        options = {k: on and k in INTERPRETER_OPTIONS for k, on in options.items()}
+    return options, left_out, missing
 
 
 def apply_instance_patch(model: nn.Module, patch_globally: Callable[[], None], name: str, family: str) -> KernelState:
     """Run ``patch_globally`` (a function that patches the model instance and module-level names, as Liger's do),
     keep its changes on the instance, undo those on modules, and bring back its RoPE function for this model only.
-    If it fails, the model is left as it was."""
+    If it fails, the model is left as it was, kernels it had before included."""
+    previous = kernels_state(model)
+    kept = [(owner, key, vars(owner).get(key, _MISSING)) for owner, key, _ in previous.changes] if previous else []
     remove_kernels(model)
     before = {id(m): (m, dict(vars(m))) for m in model.modules()}
     state = KernelState(name, family)
@@ -177,11 +212,18 @@ def apply_instance_patch(model: nn.Module, patch_globally: Callable[[], None], n
         with module_names_kept() as replaced:
             patch_globally()
         for (module_name, attribute), function in replaced.items():
-            if "rotary_pos_emb" in attribute and callable(function):
+            if "rotary" in attribute and callable(function) and not isinstance(function, type):
                 state.rope_modules += _swap_during_forward(model, module_name, attribute, function)
     except BaseException:
         state.changes = _instance_changes(before)
         remove_kernels(model)
+        for owner, key, value in kept:  # the kernels the model had before this call, as they were
+            if value is _MISSING:
+                vars(owner).pop(key, None)
+            else:
+                vars(owner)[key] = value
+        if previous is not None:
+            setattr(model, STATE_ATTR, previous)
         raise
     state.changes = _instance_changes(before)
     return state

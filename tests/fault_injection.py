@@ -67,3 +67,41 @@ def held_by_another_finetune(folder: Path) -> Iterator[None]:
         other.write("rope-patch finetune (pid 1 on elsewhere)\n")
         other.flush()
         yield
+
+
+def run_interrupted_at_layer(argv: list[str], interrupt_at: int, signals: int, counts_into: str,
+                             stderr_into: str, hold_s: float = 0.0) -> None:
+    """``rope-patch ARGV`` that sends itself ``signals`` SIGINTs as its ``interrupt_at``-th decoder layer starts (1:
+    the first; 0: never), as a Ctrl-C lands in the middle of a long forward, then ``hold_s`` seconds inside that layer
+    (a long attention call). ``counts_into`` receives "layers started, layers started after the signals, exit
+    status"; the exit status is the process's."""
+    from rope_patch.stopping import CONTROL  # the listener the command line installs
+
+    os.dup2(os.open(stderr_into, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    started, after = 0, 0
+    layer_types = set()
+
+    def count_layers(module, _args):
+        nonlocal started, after
+        if type(module).__name__ not in layer_types:
+            return
+        started += 1
+        if started == interrupt_at:
+            for _ in range(signals):
+                os.kill(os.getpid(), signal.SIGINT)
+            deadline = time.monotonic() + 30
+            while not CONTROL.requested.is_set() and time.monotonic() < deadline:  # the watcher thread's flag
+                time.sleep(0.01)
+            time.sleep(hold_s)
+        elif started > interrupt_at > 0:
+            after += 1
+
+    layer_types.add("LlamaDecoderLayer")
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(count_layers)
+    try:
+        code = cli_main(argv)
+    finally:
+        handle.remove()
+    with open(counts_into, "w") as f:
+        f.write(f"{started} {after} {code}")
+    sys.exit(code)

@@ -21,5 +21,5 @@ def test_the_demo_grids_are_its_plans():
 
 def test_each_room_uses_the_one_list():
     assert windows.PROTOCOLS is choices.PROTOCOLS and sweep.AS_LOADED is choices.AS_LOADED
-    assert engines.ENGINES is choices.SERVING_ENGINES and harness_engines.ENGINES is choices.LM_EVAL_ENGINES
+    assert engines.ENGINES is choices.SERVING_ENGINES and harness_engines.ENGINES is choices.LM_EVAL_BACKENDS
     assert gguf.GGUF_DTYPES is choices.GGUF_DTYPES

@@ -4,6 +4,7 @@ tested on a GPU in test_kernels_cuda.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 
@@ -245,7 +246,26 @@ def test_a_patch_function_failing_half_way_leaves_the_model_as_it_was(tiny_llama
     assert modeling_llama.LlamaMLP is not None
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text", "phi3"])
+def test_a_second_patch_failing_keeps_the_kernels_the_model_had(tiny_llama):
+    before, dicts = logits(tiny_llama), instance_dicts(tiny_llama)
+    rope = Counter(modeling_llama.apply_rotary_pos_emb)
+    first = apply_instance_patch(tiny_llama, liger_like(tiny_llama, rope), "liger", "llama")
+    with_kernels = instance_dicts(tiny_llama)
+
+    def fails():
+        liger_like(tiny_llama, reference_rope)()
+        raise RuntimeError("triton said no")
+
+    with pytest.raises(RuntimeError, match="triton said no"):
+        apply_instance_patch(tiny_llama, fails, "liger", "llama")
+    assert kernels_state(tiny_llama) is first and instance_dicts(tiny_llama) == with_kernels
+    calls = rope.calls
+    torch.testing.assert_close(logits(tiny_llama), before, rtol=0, atol=0)
+    assert rope.calls == calls + 2  # the first kernels still run
+    assert remove_kernels(tiny_llama) and instance_dicts(tiny_llama) == dicts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text", "phi3", "llama4_text"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_liger_itself_patches_only_the_instance_and_comes_off_exactly(family, lora):
     """Liger's own patch functions (patching only: its kernels need a GPU to run), where liger-kernel and triton are
@@ -253,7 +273,7 @@ def test_liger_itself_patches_only_the_instance_and_comes_off_exactly(family, lo
     monkey_patch = pytest.importorskip("liger_kernel.transformers.monkey_patch")
     from tiny_models import family_config
 
-    from rope_patch.kernels import LIGER_OPTIONS
+    from rope_patch.kernels import liger_options
     from rope_patch.train.lora import add_lora
 
     model = build_model(family_config(family))
@@ -261,7 +281,7 @@ def test_liger_itself_patches_only_the_instance_and_comes_off_exactly(family, lo
         model = add_lora(model, rank=4, alpha=8, targets=["o_proj"], train_embeddings_and_norms=True)
     base = model.get_base_model() if lora else model
     apply_fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN[base.config.model_type]
-    options = {k: v for k, v in LIGER_OPTIONS.items() if k in inspect.signature(apply_fn).parameters}
+    options, _, _ = liger_options(apply_fn, interpreter=False)
     names = {name: dict(vars(module)) for name, module in sys.modules.items()
              if module is not None and name.startswith("transformers.models.")}
     dicts = instance_dicts(model)
@@ -271,3 +291,145 @@ def test_liger_itself_patches_only_the_instance_and_comes_off_exactly(family, lo
     assert all(vars(sys.modules[name]) == before for name, before in names.items())
     remove_kernels(model)
     assert instance_dicts(model) == dicts
+
+
+# ------------------------------------------- Liger's own functions, and what it lacks: one line, the model unchanged
+
+
+@pytest.fixture
+def gpu_faked(monkeypatch):
+    """apply_kernels past its GPU checks on a CPU model: Liger's patch functions run (patching only, no kernel)."""
+    pytest.importorskip("liger_kernel.transformers.monkey_patch")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("rope_patch.kernels.check_device", lambda model, interpreter: None)
+
+
+def transformers_names() -> dict[str, dict]:
+    return {name: dict(vars(module)) for name, module in sys.modules.items()
+            if module is not None and name.startswith("transformers.models.")}
+
+
+def test_glm4_gets_liger_without_the_rope_kernel_it_lacks(gpu_faked, capfd):
+    """Liger's GLM-4 function raises NotImplementedError for rope=True (its default is False): rope_patch follows
+    Liger's defaults, so GLM-4 gets RMSNorm and SwiGLU, transformers' RoPE keeps the patch, and a line says so."""
+    from tiny_models import family_config
+
+    model = build_model(family_config("glm4"))
+    patch(model, "yarn", factor=4)
+    patched, dicts = logits(model), instance_dicts(model)
+    state = apply_kernels(model, "liger")
+    assert state.missing == ("rope",) and state.rope_modules == 0 and instance_dicts(model) != dicts
+    assert capfd.readouterr().err.strip().endswith("liger-kernel has no RoPE application kernel for glm4: "
+                                                   "transformers' own code runs there (with the patched frequencies)")
+    remove_kernels(model)
+    assert instance_dicts(model) == dicts
+    torch.testing.assert_close(logits(model), patched, rtol=0, atol=0)
+
+
+def test_any_error_inside_liger_is_one_line_and_the_model_is_unchanged(gpu_faked, monkeypatch, tiny_llama):
+    registry = sys.modules["liger_kernel.transformers.monkey_patch"].MODEL_TYPE_TO_APPLY_LIGER_FN
+    real = registry["llama"]
+
+    def fails_half_way(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                       fused_linear_cross_entropy=True):
+        real(model=model, rope=rope, rms_norm=rms_norm, swiglu=swiglu)  # the instance and transformers patched...
+        raise NotImplementedError("liger_rotary_pos_emb is not available for Llama models.\nsecond line")
+
+    monkeypatch.setitem(registry, "llama", fails_half_way)
+    before, dicts, names = logits(tiny_llama), instance_dicts(tiny_llama), transformers_names()
+    with pytest.raises(KernelsUnavailableError) as error:
+        apply_kernels(tiny_llama, "liger")
+    assert str(error.value) == ("liger-kernel could not patch this llama model (LlamaForCausalLM): "
+                                "NotImplementedError: liger_rotary_pos_emb is not available for Llama models. (the "
+                                "model is unchanged): run without --kernels")
+    assert kernels_state(tiny_llama) is None and instance_dicts(tiny_llama) == dicts
+    assert transformers_names() == names
+    torch.testing.assert_close(logits(tiny_llama), before, rtol=0, atol=0)
+
+
+# ------------------------------------------------- the GPU tests' checks on CPU: stand-ins for Liger, each able to fail
+
+
+def standin(rope=None):
+    """Liger's patching on any family with ``rope`` as its RoPE function (None: a copy of the family's own), the
+    RMSNorm and MLP left as they are."""
+
+    def apply(model):
+        module = sys.modules[type(model).__module__]
+        names = {name for m in model.modules() if type(m).__module__ == module.__name__
+                 for name in inspect.unwrap(type(m).forward).__code__.co_names
+                 if "rotary" in name and callable(vars(module).get(name))}
+
+        def patch_globally():
+            for name in names:
+                own = getattr(module, name)
+                setattr(module, name, rope or (lambda *args, own=own, **kwargs: own(*args, **kwargs)))
+
+        return apply_instance_patch(model, patch_globally, "liger", model.config.model_type)
+
+    return apply
+
+
+def no_rotation(q, k, *args, **kwargs):
+    return q, k
+
+
+def cuda_checks():
+    return pytest.importorskip("test_kernels_cuda")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "glm4", "llama4_text"])  # soft-cap, interleaved pairs, Llama 4's rope
+def test_the_bf16_check_catches_a_rope_kernel_that_does_not_rotate(family):
+    """test_kernels_cuda's family check on CPU (Gemma 2 through eager attention: SDPA refuses its soft-cap)."""
+    checks = cuda_checks()
+    if family not in checks.LIGER_FAMILIES:
+        pytest.skip(f"liger-kernel is not installed or has no {family}")
+    _, _, gap, tolerance = checks.kernels_gap(family, standin(no_rotation), "cpu")
+    assert gap > 3 * tolerance, (gap, tolerance)
+    state, _, gap, tolerance = checks.kernels_gap(family, standin(), "cpu")
+    assert state.rope_modules > 0 and gap <= tolerance
+
+
+def unpatched_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """A RoPE kernel that lost the patch: cos/sin of the unpatched frequencies at positions 0..length-1."""
+    rotary = modeling_llama.LlamaRotaryEmbedding(tiny_llama_config())
+    cos, sin = rotary(q, torch.arange(q.shape[2])[None])
+    return reference_rope(q, k, cos, sin, unsqueeze_dim)
+
+
+def test_the_frequency_check_fails_where_the_kernel_loses_the_patch():
+    checks = cuda_checks()
+
+    def applied(rope):
+        return lambda model: _standin_block(model, rope)
+
+    checks.patched_frequencies_gap(applied(reference_rope), "cpu")
+    with pytest.raises(AssertionError):
+        checks.patched_frequencies_gap(applied(unpatched_rope), "cpu")
+
+
+@contextlib.contextmanager
+def _standin_block(model, rope):
+    standin(rope)(model)
+    try:
+        yield
+    finally:
+        remove_kernels(model)
+
+
+def decoded_at_position_zero(q, k, cos, sin, unsqueeze_dim=1):
+    """A RoPE kernel wrong only with the KV cache: a token decoded alone is not rotated."""
+    if q.shape[2] == 1:
+        return q, k
+    return reference_rope(q, k, cos, sin, unsqueeze_dim)
+
+
+def test_the_passkey_check_fails_where_the_kernel_breaks_decoding(monkeypatch, tmp_path):
+    checks = cuda_checks()
+    monkeypatch.setattr("rope_patch.kernels.check_kernels_available", lambda name: None)
+    folder = checks.std_folder(tmp_path)
+    plain = checks.passkey_outputs(folder)
+    monkeypatch.setattr("rope_patch.jobs.common.kernels_applied", lambda model, name: _standin_block(
+        model, decoded_at_position_zero) if name else contextlib.nullcontext())
+    assert checks.passkey_outputs(folder, kernels="liger") != plain

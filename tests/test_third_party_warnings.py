@@ -77,3 +77,83 @@ def test_passkey_past_the_native_length_prints_no_generation_reminder(tmp_path):
     assert "passkey accuracy" in result.stdout
     assert "friendly reminder" not in result.stderr
     assert result.stderr.strip() == "", result.stderr
+
+
+# ------------------------------------------------------------------ issue 37.6: DeepSpeed, shared tensors, the GGUF bar
+
+
+def test_deepspeed_says_nothing_when_a_job_runs_and_speaks_under_rope_patch_verbose(tmp_path):
+    """A job's run function imported (the CLI's and Python's path), then DeepSpeed, as save_pretrained imports it: no
+    "Setting accelerator to CPU" on a machine with no accelerator; ROPE_PATCH_VERBOSE=1 shows it again (the check
+    can fail). On a GPU machine DeepSpeed finds CUDA and never prints the line: nothing to check."""
+    import pytest
+
+    if torch.cuda.is_available():
+        pytest.skip("DeepSpeed finds the GPU here and prints no CPU line")
+    code = "import rope_patch.jobs as jobs\njobs.run_eval\nimport deepspeed\n"
+    quiet = run_python(code, tmp_path)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Setting accelerator" not in quiet.stderr + quiet.stdout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), ROPE_PATCH_VERBOSE="1")
+    env.pop("DS_ACCELERATOR", None)
+    loud = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert "Setting accelerator to CPU" in loud.stderr + loud.stdout
+
+
+def test_accelerates_shared_tensor_line_is_dropped_for_a_tied_head_only(caplog):
+    """accelerate's save removes the tied output head's second name and warns; the warning goes, another shared
+    tensor's stays."""
+    import logging
+
+    from accelerate import PartialState
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+
+    from rope_patch.hub import quiet_libraries
+
+    PartialState()  # accelerate's logging needs its state, as in every fine-tune
+    quiet_libraries()
+    quiet_libraries()  # idempotent: one filter
+    model = build_model(tiny_llama_config(tie_word_embeddings=True))
+    with caplog.at_level(logging.WARNING, logger="accelerate.utils.other"):
+        cleaned = clean_state_dict_for_safetensors(model.state_dict())
+        shared = torch.zeros(3)
+        clean_state_dict_for_safetensors({"a": shared, "b": shared})
+    assert "lm_head.weight" not in cleaned
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "lm_head.weight" in m], messages
+    assert [m for m in messages if "Removed shared tensor {'b'}" in m], messages  # the filter is that narrow
+    assert len(logging.getLogger("accelerate.utils.other").filters) == 1
+
+
+def test_the_embedded_models_conversion_is_one_line_with_its_real_size(tmp_path, monkeypatch, capsys):
+    """transformers' bare "Converting and de-quantizing GGUF tensors" bar is replaced by one line naming the cache and
+    the megabytes written (the files' real size). The GGUF reading is stood in by a tiny model whose load draws the
+    same bar, so the test takes seconds, not the minutes of a 538 MB conversion."""
+    from tqdm.auto import tqdm
+
+    from rope_patch import loading
+
+    target = tmp_path / "cache" / "model"
+    monkeypatch.setattr(loading, "default_model_folder", lambda: target)
+    monkeypatch.setattr(loading, "default_gguf_path", lambda: tmp_path / "model.gguf")
+
+    class FakeAuto:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+                pass
+            return build_model(tiny_llama_config(tie_word_embeddings=True))
+
+    class FakeTokenizer:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            return make_char_tokenizer()
+
+    monkeypatch.setattr(loading, "AutoModelForCausalLM", FakeAuto)
+    monkeypatch.setattr(loading, "AutoTokenizer", FakeTokenizer)
+    assert loading.default_model_dir() == target
+    size = sum(f.stat().st_size for f in target.iterdir())
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"rope-patch: converting the embedded model once, to a cache at {target} ... {size / 1e6:,.0f} MB written"
+    assert loading.default_model_dir() == target and capsys.readouterr().err == ""  # once

@@ -24,6 +24,7 @@ from .. import __version__
 from ..choices import AS_LOADED, BUILT_IN_METHODS
 from ..errors import RopePatchError
 from ..hub import progress_bars
+from ..stopping import CONTROL, INTERRUPTED_STATUS, JobInterrupted
 from ..jobs import JOBS, Job
 from ..jobs.options import JobConfig, RenamedOptionWarning, renamed
 from .arguments import add_config_arguments, usage
@@ -150,18 +151,30 @@ def main(argv: list[str] | None = None) -> int:
     verb = next((a for a in args if a in JOBS), "")
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warnings(verb)
-        return _main(argv, args, verb)
+        code = _main(argv, args, verb)
+    if code == INTERRUPTED_STATUS and argv is None:  # the command itself (not a caller in Python): leave now
+        sys.stdout.flush()  # everything finished is on disk; tearing down the model's memory can take many seconds
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _main(argv: list[str] | None, args: list[str], verb: str) -> int:
+    command = f"{program(argv is not None)} {shlex.join(args)}"
+    name = f"rope-patch{' ' + verb if verb else ''}"
+    notice = (f"{name}: stopping at the next layer; finished results are kept (Ctrl-C again to stop at once, "
+              "losing only the work in progress)")
+    farewell = f"{name}: stopped at once; finished results are saved; resume with:\n{command}"
     try:
-        result = run(argv)
+        with CONTROL.listening(notice=notice, farewell=farewell):
+            result = run(argv)
         if getattr(result, "main_process", True):  # under accelerate launch, only the main process reports
             print(result)
         return 0
     except RopePatchError as error:
+        close_progress_bars()
         message = " ".join(str(error).splitlines())  # one line, whatever a message quotes
-        print(f"rope-patch{' ' + verb if verb else ''}: error: {message}", file=sys.stderr)
+        print(f"{name}: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -169,14 +182,27 @@ def _main(argv: list[str] | None, args: list[str], verb: str) -> int:
     except KeyboardInterrupt as stop:
         from ..train.interrupt import TrainingInterrupted  # imported already where training raised it
 
+        close_progress_bars()  # the message below starts a line of its own, never glued to a bar
         if not isinstance(stop, TrainingInterrupted):
-            print("rope-patch: interrupted; finished results are saved: rerun the same command to resume.",
+            where = f" {stop.where}" if isinstance(stop, JobInterrupted) and stop.where else ""
+            print(f"{name}: interrupted{where}; finished results are saved; resume with:\n{command}",
                   file=sys.stderr)
         elif stop.main_process:
             command = shlex.join(with_resume(args, stop.resume))
-            print(f"rope-patch {verb}: {stop.describe()}; {'resume' if stop.resume else 'start again'} with:\n"
+            print(f"{name}: {stop.describe()}; {'resume' if stop.resume else 'start again'} with:\n"
                   f"{program(argv is not None)} {command}", file=sys.stderr)
-        return 130
+        return INTERRUPTED_STATUS
+
+
+def close_progress_bars() -> None:
+    """Close every open progress bar (tqdm's), so that what is printed next starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001  a bar already torn down
+            pass
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

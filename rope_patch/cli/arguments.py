@@ -50,9 +50,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, config: type[JobConfig
         if meta.get("metavar"):
             kwargs["metavar"] = meta["metavar"]
         if meta.get("positional"):  # `rope-patch inspect MODEL`, and --model MODEL as every other verb takes it
-            parser.add_argument(spec.name, nargs="?", **kwargs)
-            parser.add_argument(flag(spec.name), dest=spec.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                                metavar=meta.get("metavar"))
+            metavar = meta.get("metavar") or spec.name.upper()
+            parser.add_argument(spec.name, nargs="?",
+                                **{**kwargs, "metavar": metavar, "help": f"the same as {flag(spec.name)}"})
+            parser.add_argument(flag(spec.name), dest=spec.name, metavar=metavar,
+                                **{**kwargs, "help": f"{help_text} (or give it as the first argument, {metavar})"})
             continue
         names = [spec.name, *meta.get("aliases", ())]
         if hints[spec.name] is bool:  # --flag, --flag VALUE (read as YAML values are: on/off, yes/no, ...), --no-flag

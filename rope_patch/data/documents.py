@@ -28,6 +28,10 @@ from ..errors import DataError
 from ..hub import quiet_hub_requests
 
 DEFAULT_CORPUS = "stdlib"
+# The embedded corpus's test part: never trained on by `finetune`, what the docs' evaluations score (the quick start
+# and the demo sample datetime.py and subprocess.py; every comparison holds out _pydecimal.py). The rest is train.
+HELD_OUT_STDLIB = ("_pydecimal.py", "datetime.py", "subprocess.py")
+LOCAL_HELD_OUT_SHARE = 4  # a local corpus of n >= 2 documents holds out n // 4 of them (at least one), chosen by hash
 STDLIB_MODULES = 16  # the largest modules of the standard library join the prose document as code
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -57,21 +61,44 @@ def load_documents(
     """
     if source in (None, "", DEFAULT_CORPUS, "default"):
         return stdlib_corpus()
-    if not isinstance(source, (str, os.PathLike)) or "\0" in str(source):
-        raise DataError(f"data source {source!r} is not a file, folder or data set name: give one as text, "
-                        "without NUL characters")
+    check_source(source)
     path = Path(source).expanduser()
     if path.exists():
         documents = _load_local(path, text_field)
-    elif path.suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
-        raise DataError(f"data file or folder {str(source)!r} does not exist; give a .txt/.jsonl/.parquet file, "
-                        "a folder of them, or a hub data set name")
     else:
         documents = _load_hub(str(source), split or "test", text_field, subset)
     documents = [d for d in documents if d.text.strip()]
     if not documents:
         raise DataError(f"{str(source)!r} holds no non-empty text; check --text-field or the files")
     return documents
+
+
+def check_source(source: str | os.PathLike | None) -> None:
+    """Refuse at once (before a model loads) a data source that cannot be one: not text, or a local-looking path
+    (a file suffix, or starting with ``.``, ``/``, ``~``) that does not exist."""
+    if source in (None, "", DEFAULT_CORPUS, "default"):
+        return
+    if not isinstance(source, (str, os.PathLike)) or "\0" in str(source):
+        raise DataError(f"data source {source!r} is not a file, folder or data set name: give one as text, "
+                        "without NUL characters")
+    path = Path(source).expanduser()
+    if not path.exists() and (path.suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~"))):
+        raise DataError(f"data file or folder {str(source)!r} does not exist; give a .txt/.jsonl/.parquet file, "
+                        "a folder of them, or a hub data set name")
+
+
+def held_out_ids(source: str | os.PathLike | None, documents: Sequence[Document]) -> set[str]:
+    """The ids of the documents of ``source`` that ``finetune`` never trains on, so that an evaluation of the
+    fine-tuned model scores held-out text by default: the embedded corpus's fixed test part (``HELD_OUT_STDLIB``); for
+    a local corpus of n >= 2 documents, the n // 4 (at least one) whose hash of name and content comes first, the
+    same on every machine and run; none for a hub data set (its own splits: finetune reads train, eval test) or a
+    single document."""
+    if source in (None, "", DEFAULT_CORPUS, "default"):
+        return {d.id for d in documents if d.id in HELD_OUT_STDLIB}
+    if not Path(source).expanduser().exists() or len(documents) < 2:
+        return set()
+    ranked = sorted(documents, key=lambda d: hashlib.sha256(d.id.encode() + b"\0" + d.text.encode()).hexdigest())
+    return {d.id for d in ranked[: max(1, len(documents) // LOCAL_HELD_OUT_SHARE)]}
 
 
 def stdlib_corpus() -> list[Document]:

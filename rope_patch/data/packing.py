@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .documents import load_documents
+from .documents import held_out_ids, load_documents
 from .tokens import TokenizedDocument, resolve_bos, select_documents, tokenize_documents
 
 
@@ -34,6 +34,7 @@ class PackedSequences:
         self.seq_len, self.seed, self.source = seq_len, seed, source
         self.num_documents, self.num_tokens = num_documents, len(tokens)
         self._order_epoch, self._order = -1, np.arange(0)
+        self.trained: list[TokenizedDocument] = []  # the documents packed (from_source sets them)
 
     @classmethod
     def from_documents(cls, documents: Sequence[TokenizedDocument], *, eos_id: int, bos_id: int | None = None,
@@ -48,23 +49,31 @@ class PackedSequences:
     @classmethod
     def from_source(cls, source: str | os.PathLike | None, tokenizer, *, seq_len: int, seed: int = 0,
                     num_documents: int | None = None, exclude: Sequence[str] = (), split: str | None = None,
-                    text_field: str = "text", subset: str | None = None) -> PackedSequences:
+                    text_field: str = "text", subset: str | None = None, hold_out: bool = False) -> PackedSequences:
         """Documents from the evaluation's sources (``rope_patch.data.documents.load_documents``), tokenised with cache.
 
-        ``exclude`` names documents (by id) kept out of training, e.g. the ones a later evaluation scores.
+        ``exclude`` names documents (by id) kept out of training, e.g. the ones a later evaluation scores; ``hold_out``
+        also keeps out the corpus's test part (``held_out_ids``). ``trained``: the documents packed, by id.
         """
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no EOS token to join documents with; use a tokenizer that defines one")
-        documents = tokenize_documents(tokenizer, load_documents(source, split=split, text_field=text_field, subset=subset))
+        texts = load_documents(source, split=split, text_field=text_field, subset=subset)
+        documents = tokenize_documents(tokenizer, texts)
         unknown = set(exclude) - {d.id for d in documents}
         if unknown:
             known = ", ".join(d.id for d in documents[:8]) + (", ..." if len(documents) > 8 else "")
             raise DataError(f"--exclude-documents {', '.join(sorted(unknown))}: no such document (ids: {known})")
-        documents = [d for d in documents if d.id not in set(exclude)]
+        exclude = set(exclude) | (held_out_ids(source, texts) if hold_out else set())
+        documents = [d for d in documents if d.id not in exclude]
+        if not documents:
+            raise DataError(f"{source or 'the embedded corpus'}: every document is held out or excluded; nothing is "
+                            "left to train on")
         if num_documents is not None:
             documents, _ = select_documents(documents, 1, num_documents, seed=seed)
-        return cls.from_documents(documents, eos_id=tokenizer.eos_token_id, bos_id=resolve_bos(tokenizer),
-                                  seq_len=seq_len, seed=seed, source=str(source or "the embedded corpus"))
+        packed = cls.from_documents(documents, eos_id=tokenizer.eos_token_id, bos_id=resolve_bos(tokenizer),
+                                    seq_len=seq_len, seed=seed, source=str(source or "the embedded corpus"))
+        packed.trained = list(documents)
+        return packed
 
     def __len__(self) -> int:
         return self.sequences.shape[0]

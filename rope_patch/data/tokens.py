@@ -31,6 +31,10 @@ class TokenizedDocument:
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
+    def content_hash(self) -> str:
+        """A hash of the token ids: the same text under the same tokenizer, whatever its file is called."""
+        return hashlib.sha256(np.ascontiguousarray(self.ids, dtype=np.int32).tobytes()).hexdigest()[:32]
+
 
 # ----------------------------------------------------------------------------------------------- tokenising
 

@@ -192,8 +192,8 @@ def sweep_window(model, entries: Sequence[MethodEntry]) -> int:
             contexts[entry.label] = patch_context_length(model)
     unbounded = [label for label, n in contexts.items() if n is None]
     if unbounded:
-        raise ConfigError(f"--max-length: {unbounded[0]} defines no extended context length (its relative positions "
-                          "are capped, so no length is its own); give --max-length N, the one window every method is "
+        raise ConfigError(f"--lengths: {unbounded[0]} defines no extended context length (its relative positions "
+                          "are capped, so no length is its own); give --lengths N, the one window every method is "
                           "scored at")
     return max(contexts.values())
 

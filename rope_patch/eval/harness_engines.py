@@ -20,14 +20,14 @@ from torch import nn
 
 from ..data.documents import stdlib_corpus
 from ..data.tokens import resolve_bos, select_documents, tokenize_documents
-from ..choices import LM_EVAL_ENGINES
+from ..choices import LM_EVAL_BACKENDS
 from ..errors import ConfigError
 from ..patching import native_length
 from .sweep import MethodEntry
 from .vllm_engine import (LogprobAgreement, check_agreement, compare_logprobs, engine_logprobs, reference_logprobs,
                           require_vllm, start_llm, stop_llm)
 
-ENGINES = LM_EVAL_ENGINES
+ENGINES = LM_EVAL_BACKENDS
 PROBE_PAST_NATIVE = 256  # probe tokens past the native length: the positions only the method's scaling reaches
 # (the model as patched now, the window) -> (vLLM's hf_overrides, the longest input vLLM can serve under them).
 ServingSettingsFor = Callable[[nn.Module, int], tuple[dict[str, Any], int]]
@@ -39,7 +39,7 @@ def rolling_window_note(window: int) -> str:
     (a position for the context token, one for the token it generates), its hf model in windows of ``max_length``:
     the windows restart elsewhere, so the two engines' perplexities differ at one window (docs/vllm.md)."""
     return (f"note: lm-eval's vllm model scores rolling log-likelihood in windows of {window - 2:,} tokens, its hf "
-            f"model in windows of {window:,}; to compare a perplexity task with --engine hf, give it --max-length "
+            f"model in windows of {window:,}; to compare a perplexity task with --backend hf, give it --lengths "
             f"{window - 2}")
 
 
@@ -149,12 +149,12 @@ class VllmEngine:
 
         sized = [w for w in windows if w is not None]
         if len(sized) != len(windows):
-            raise ConfigError("--engine vllm needs a window: give --max-length N (or lengths in --metadata)")
+            raise ConfigError("--backend vllm needs a window: give --lengths N (or lengths in --metadata)")
         overrides, longest = self.settings_for(self.model, max(sized))
         if max(sized) > longest:
-            raise ConfigError(f"--engine vllm: under {entry.label} vLLM serves at most {longest:,} tokens (its "
-                              f"rotary cache ends there), not the window {max(sized):,}; give --max-length "
-                              f"{longest} or less, a larger factor, or --engine hf")
+            raise ConfigError(f"--backend vllm: under {entry.label} vLLM serves at most {longest:,} tokens (its "
+                              f"rotary cache ends there), not the window {max(sized):,}; give --lengths "
+                              f"{longest} or less, a larger factor, or --backend hf")
         probe = min(max(sized), native_length(self.model) + PROBE_PAST_NATIVE)
         lms: dict[int, Any] = {}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
-from .plots import length_axis, new_figure, save_figure, write_csv
+from .plots import length_axis, new_figure, run_title, save_figure, write_csv
 
 SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples", "max_length", "difference_to_none")
 REFERENCE = "none"  # the short-context cost is the score difference to this method on the same task, metric, length
@@ -107,7 +107,7 @@ def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *, settings:
 
 
 def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
-                         native_length: int | None = None) -> Path | None:
+                         native_length: int | None = None, title: str = "") -> Path | None:
     """One panel per task · metric that was measured at lengths, one line per method; None if none was."""
     panels: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for r in rows:
@@ -131,6 +131,8 @@ def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
         ax.legend(fontsize=7)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path)
 
@@ -141,7 +143,21 @@ def write_reports(rows: Sequence[Mapping[str, Any]], output_dir: str | Path, *,
     out = Path(output_dir)
     files = {"csv": write_csv(rows, out / "summary.csv", SUMMARY_FIELDS),
              "json": write_json(rows, out / "summary.json", settings=settings)}
-    plot = plot_score_vs_length(rows, out / "score_vs_length.png", native_length=native_length)
+    plot = plot_score_vs_length(rows, out / "score_vs_length.png", native_length=native_length,
+                                title=run_title("lm-eval score by length", settings))
     if plot is not None:
         files["plot"] = plot
     return files
+
+
+def tracker_steps(rows: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
+    """The table for ``--report-to``: at each length (the step; the window where a run had no length of its own),
+    each task · metric · method's score."""
+    from ..tracking import metric_key
+
+    steps: dict[int, dict[str, float]] = {}
+    for r in rows:
+        length = r["length"] if r["length"] is not None else r.get("max_length") or 0
+        if isinstance(r["value"], (int, float)):
+            steps.setdefault(int(length), {})[metric_key("lm_eval", r["task"], r["metric"], r["method"])] = r["value"]
+    return steps

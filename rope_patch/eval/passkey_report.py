@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
-from .plots import file_stem, length_axis, new_figure, save_figure, series_style, write_csv
+from .plots import (cell_text_colour, file_stem, length_axis, new_figure, run_title, save_figure, series_style,
+                    write_csv)
 
 CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy", "difference_to_none")
 REFERENCE = "none"  # the short-context cost is the accuracy difference to this method on the same prompts
@@ -133,9 +134,9 @@ def _draw_heatmap(ax, records: Sequence[dict], method: str):
         grid[depths.index(r["depth"])][lengths.index(r["length"])] = r["accuracy"]
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="lower")
     if len(lengths) * len(depths) <= 100:
-        for r in rows:
+        for r in rows:  # each label black or white by its cell's luminance: readable on dark red and dark green
             ax.text(lengths.index(r["length"]), depths.index(r["depth"]), f"{r['correct']}/{r['trials']}",
-                    ha="center", va="center", fontsize=8)
+                    ha="center", va="center", fontsize=8, color=cell_text_colour(image.to_rgba(r["accuracy"])))
     ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], rotation=90 if len(lengths) > 6 else 0, fontsize=8)
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
     ax.set_xlabel("prompt length (tokens)")
@@ -143,8 +144,9 @@ def _draw_heatmap(ax, records: Sequence[dict], method: str):
     return image
 
 
-def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[str] | None = None) -> Path:
-    """One heatmap panel per method, side by side, sharing one colour bar."""
+def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[str] | None = None, *,
+                  title: str = "") -> Path:
+    """One heatmap panel per method, side by side, sharing one colour bar, under ``title``."""
     methods = list(methods or dict.fromkeys(r["method"] for r in records))
     columns = len({r["length"] for r in records})
     width = max(3.2, 0.9 + 0.42 * columns)
@@ -153,10 +155,13 @@ def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[s
         image = _draw_heatmap(ax, records, method)
     axes[0].set_ylabel("key depth (0 = start)")
     fig.colorbar(image, ax=axes, label="passkey accuracy", fraction=0.04)
+    if title:
+        fig.suptitle(title, fontsize=9, y=1.02)
     return save_figure(fig, path)
 
 
-def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native_length: int | None = None) -> Path:
+def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native_length: int | None = None,
+                            title: str = "") -> Path:
     """Accuracy (pooled over depths) against length, one series per method, each point labelled with its
     found/trials. Methods sit side by side around each length (a small offset along the log axis), so equal
     accuracies never hide one another; a line joins a method's points only when it has three or more lengths (two
@@ -178,6 +183,7 @@ def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native
     length_axis(ax, [r["length"] for r in records], native_length=native_length, label="prompt length (tokens)")
     ax.set_ylabel("passkey accuracy (found/trials at each point)")
     ax.set_ylim(-0.12, 1.12)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
@@ -191,10 +197,30 @@ def write_reports(records: Sequence[dict], output_dir: str | Path, *, settings: 
     files = {
         "csv": write_csv(summarize(records, native_length=native_length), out / "summary.csv", CELL_FIELDS),
         "json": write_json(records, out / "summary.json", settings=settings, native_length=native_length),
-        "plot": plot_accuracy_vs_length(records, out / "accuracy_vs_length.png", native_length=native_length),
+        "plot": plot_accuracy_vs_length(records, out / "accuracy_vs_length.png", native_length=native_length,
+                                        title=run_title("passkey accuracy by length", settings)),
     }
     methods = list(dict.fromkeys(r["method"] for r in records))
-    files["heatmaps"] = plot_heatmaps(records, out / "heatmaps.png", methods)
+    title = run_title("passkey accuracy by length × depth", settings)
+    files["heatmaps"] = plot_heatmaps(records, out / "heatmaps.png", methods, title=title)
     for method in methods:
-        files[f"heatmap {method}"] = plot_heatmaps(records, out / f"heatmap_{file_stem(method)}.png", [method])
+        files[f"heatmap {method}"] = plot_heatmaps(records, out / f"heatmap_{file_stem(method)}.png", [method],
+                                                   title=title)
     return files
+
+
+def tracker_steps(records: Sequence[dict], native_length: int | None = None) -> dict[int, dict[str, float]]:
+    """The table for ``--report-to``: at each length (the step), each method's accuracy pooled over depths and, up to
+    the native length, its difference to none on the same prompts."""
+    from ..tracking import metric_key
+
+    steps: dict[int, dict[str, float]] = {}
+    for method, row in pooled(records, "length").items():
+        for length, (correct, trials) in row.items():
+            step = steps.setdefault(int(length), {})
+            step[metric_key("passkey_accuracy", method)] = correct / trials
+            if native_length is not None and length <= native_length:
+                paired = difference_to_reference(records, method, {"length": length})
+                if paired is not None:
+                    step[metric_key("passkey_short_cost", method)] = paired[0]
+    return steps

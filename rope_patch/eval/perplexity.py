@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..data import TokenizedDocument
 from ..patching import fixed_length, forget_lengths_seen, input_device
+from ..stopping import CONTROL
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
 from .window_loss import window_nll
@@ -173,9 +174,19 @@ class _Sweep:
         for start in range(0, len(work), world * batch_size):
             round_work = list(enumerate(work[start : start + world * batch_size], start))
             mine = round_work[rank::world]
+            tokens, advanced = len(round_work) * length, 0.0
+
+            def within_forward(done: int, layers: int) -> None:  # the bar moves layer by layer in a long forward
+                nonlocal advanced
+                step = tokens * done / layers - advanced
+                if step > 0:
+                    bar.update(step)
+                    advanced += step
             try:
+                with CONTROL.layer_progress(within_forward):
+                    scored = self.forward([w for _, (w, _) in mine])
                 results = [(i, self.stats_by_length(w, serves, nll, length))
-                           for (i, (w, serves)), nll in zip(mine, self.forward([w for _, (w, _) in mine]))]
+                           for (i, (w, serves)), nll in zip(mine, scored)]
                 error = None
             except Exception as caught:  # an OOM must reach every process, or the others would wait forever
                 if not is_out_of_memory(caught):
@@ -205,7 +216,7 @@ class _Sweep:
                         for key in ("position_nll", "position_tokens"):
                             totals[key] = totals[key].tolist()  # JSON-ready
                         self.finish(label, n, self.documents[document], totals)
-            bar.update(len(round_work) * length)
+            bar.update(tokens - advanced)
 
     def stats_by_length(self, window: Window, serves: tuple[int, ...], nll: torch.Tensor, length: int
                         ) -> dict[int, dict]:

@@ -19,7 +19,7 @@ from ..errors import DataError
 from .perplexity import EvalFailure
 from .windows import bootstrap_interval, describe_protocol, perplexity
 from ..files import atomic_write
-from .plots import length_axis, log_value_axis, new_figure, save_figure, series_style, write_csv
+from .plots import length_axis, log_value_axis, new_figure, run_title, save_figure, series_style, write_csv
 from .sweep import MethodEntry
 
 SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
@@ -213,8 +213,9 @@ def plot_position_loss(records: Sequence[Mapping[str, Any]], length: int, path: 
         ax.plot(x, y - base, label=method, linewidth=1.2, linestyle=series_style(index)["linestyle"])
     if reference:
         ax.axhline(0, color="black", linewidth=0.8, label=reference)
-    if native_length:
+    if native_length and native_length < length:  # beyond the window, the line would stretch the axis past the data
         ax.axvline(native_length, color="grey", linestyle="--", linewidth=1, label=f"native length {native_length:,}")
+    ax.set_xlim(0, length)  # the window's positions, whatever the native length
     ax.set_xlabel(f"position in the {length:,}-token window")
     ax.set_ylabel(f"mean loss − {reference}'s (nats per token)" if reference else "mean loss (nats per token)")
     ax.set_title(title, fontsize=9)
@@ -236,7 +237,7 @@ def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[s
                   settings: Mapping[str, Any] | None = None, native_length: int | None = None) -> dict[str, Path]:
     """summary.csv, summary.json, perplexity.png and position_loss.png (at the longest length evaluated)."""
     out = Path(output_dir)
-    title = f"{(settings or {}).get('model', '')} on {(settings or {}).get('data', '')}\n{_protocol_of(rows)}"
+    title = run_title(f"perplexity on {(settings or {}).get('data', 'the documents')}, {_protocol_of(rows)}", settings)
     files = {"csv": write_csv(rows, out / "summary.csv", SUMMARY_FIELDS),
              "json": write_json(rows, out / "summary.json", settings=settings),
              "perplexity plot": plot_perplexity(rows, out / "perplexity.png", native_length=native_length, title=title)}
@@ -246,3 +247,20 @@ def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[s
                                                     native_length=native_length, title=title,
                                                     reference=position_reference(rows, max(done)))
     return files
+
+
+def tracker_steps(rows: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
+    """The table for ``--report-to``: at each length (the step), each method's perplexity and, up to the native
+    length, its short-context cost (perplexity ratio to none, minus 1)."""
+    from ..tracking import metric_key
+
+    steps: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        step = steps.setdefault(int(r["length"]), {})
+        step[metric_key("perplexity", r["method"])] = r["perplexity"]
+        ratio = r.get("ratio_to_none")
+        if ratio is not None and np.isfinite(ratio):
+            step[metric_key("short_cost", r["method"])] = ratio - 1
+    return steps

@@ -47,13 +47,21 @@ def new_figure(width: float = 7.0, height: float = 4.5, columns: int = 1, rows: 
     return fig, [ax for row in axes for ax in row]
 
 
+LENGTH_MARGIN = 2 ** 0.3  # the log2 length axis reaches this factor beyond the shortest and longest length
+
+
 def length_axis(ax, lengths: Sequence[int], *, native_length: int | None = None,
                 label: str = "context length (tokens)") -> None:
-    """A log2 x axis ticked at the evaluated lengths, with the native length marked by a dashed line."""
-    if native_length:
-        ax.axvline(native_length, color="grey", linestyle="--", linewidth=1, label=f"native length {native_length:,}")
+    """A log2 x axis ticked at the evaluated lengths and sized to them (a small margin each side), with the native
+    length marked by a dashed line where it falls on the axis: a native length far beyond the data (8,192 for a
+    4,096-token run) would otherwise stretch the axis to it."""
     lengths = sorted(set(lengths))
+    low, high = (lengths[0] / LENGTH_MARGIN, lengths[-1] * LENGTH_MARGIN) if lengths else (None, None)
+    if native_length and (low is None or low <= native_length <= high):
+        ax.axvline(native_length, color="grey", linestyle="--", linewidth=1, label=f"native length {native_length:,}")
     ax.set_xscale("log", base=2)
+    if lengths:
+        ax.set_xlim(low, high)
     ax.set_xticks(lengths, [f"{n:,}" for n in lengths], rotation=90 if len(lengths) > 8 else 0, fontsize=8)
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.xaxis.set_minor_locator(NullLocator())
@@ -90,6 +98,25 @@ def log_value_axis(ax, values: Sequence[float]) -> None:
         ax.set_ylim(min(low, ticks[0]) / margin, max(high, ticks[-1]) * margin)
     else:
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+
+
+def run_title(what: str, settings: Mapping[str, Any] | None) -> str:
+    """A figure's title: what it shows, the model, and the run (its output folder), as far as ``settings`` tells."""
+    settings = settings or {}
+    parts = [what] + [str(settings[k]) for k in ("model",) if settings.get(k)]
+    run = f"run {settings['output']}" if settings.get("output") else ""
+    return " · ".join(parts) + (f"\n{run}" if run else "")
+
+
+def cell_text_colour(rgba: Sequence[float]) -> str:
+    """Black or white, whichever reads on a cell of colour ``rgba``: black on a light cell, white on a dark one, by
+    the cell's relative luminance (WCAG 2: sRGB channels linearised, weighted 0.2126, 0.7152, 0.0722). The two
+    colours' contrast ratios with the cell cross at luminance 0.179."""
+    def linear(c: float) -> float:
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    red, green, blue = (linear(c) for c in rgba[:3])
+    return "black" if 0.2126 * red + 0.7152 * green + 0.0722 * blue > 0.179 else "white"
 
 
 def save_figure(fig: Figure, path: str | Path) -> Path:

@@ -69,7 +69,7 @@ class CandidateScorer:
         if failures or len(records) != len(self.documents):
             reason = failures[0].reason if failures else "a document was not scored"
             raise RopePatchError(f"search: a candidate could not be scored at {self.target:,} tokens ({reason}); "
-                                 "try --dtype bf16, fewer --documents or a shorter --target-length")
+                                 "try --dtype bf16, fewer --documents or a shorter --lengths")
         nll, tokens = sum(r["nll"] for r in records), sum(r["tokens"] for r in records)
         record = {"setup": self.setup, "long_factor": factors, "perplexity": perplexity(nll, tokens), "nll": nll,
                   "tokens": tokens, "documents": {r["document"]: [r["nll"], r["tokens"]] for r in records}}

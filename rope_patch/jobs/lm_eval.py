@@ -3,6 +3,8 @@ with each method in turn, in one resumable run."""
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,11 +13,15 @@ from ..errors import ConfigError
 from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_lengths, sweep_window
 from ..eval.harness_engines import HfEngine, VllmEngine
 from ..eval.vllm_engine import require_vllm
-from ..eval.harness_report import add_difference_to_reference, format_table, short_cost_table, summarize, write_reports
+from ..eval.harness_report import (add_difference_to_reference, format_table, short_cost_table, summarize,
+                                  tracker_steps, write_reports)
+from ..tracking import report_steps
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from ..stopping import CONTROL
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.lm_eval import LmEvalConfig
 from .engine_settings import model_folder, vllm_serving
 
@@ -57,15 +63,16 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     """
     options, loaded = split_loaded(options)
     config = LmEvalConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)
-    if config.engine == "vllm":
+    if config.backend == "vllm":
         require_vllm()  # one line before minutes of loading
     loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length, config.layer_types)
-    window = config.max_length
-    if window is None and not sweep_lengths(config.metadata or {}):  # one window for every method, or a refusal
+    window = None  # each length of --lengths (or of metadata's max_seq_lengths) is its own run, at that window
+    if not sweep_lengths(config.sweep_metadata() or {}):  # one window for every method, or a refusal
         window = sweep_window(loaded.model, method_entries(loaded.model, config.method))
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
     with open_store(results, KEY_FIELDS, job="rope-patch lm-eval") as store:  # held until the reports are written
@@ -75,25 +82,33 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
 def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window: int | None,
          store: ResultStore | None) -> LmEvalResult:
     engine = HfEngine(loaded.model, loaded.tokenizer)
-    if config.engine == "vllm":
+    if config.backend == "vllm":
         engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,
                             dtype=loaded.dtype, tensor_parallel_size=config.tensor_parallel_size,
-                            data_parallel_size=config.data_parallel_size, tolerance=config.engine_tolerance)
-    with fast_path(loaded.model, config.kernels):
+                            data_parallel_size=config.data_parallel_size, tolerance=config.backend_tolerance)
+    if config.progress:  # how many requests a task makes is known inside the harness only: no estimate here
+        methods = len(method_entries(loaded.model, config.method))
+        print(f"rope-patch lm-eval: plan: {methods} method(s) x {len(config.tasks)} task(s) "
+              f"({', '.join(config.tasks)}), window {window if window else 'per max_seq_lengths'}; not timed (the "
+              "harness's bar shows each run's progress); --limit shrinks it", file=sys.stderr, flush=True)
+    with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
         records = evaluate_harness(
             loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
             max_length=window, batch_size=config.batch_size, limit=config.limit,
-            num_fewshot=config.num_fewshot, metadata=config.metadata, output=config.output, store=store,
+            num_fewshot=config.num_fewshot, metadata=config.sweep_metadata(), output=config.output, store=store,
             setup=config.setup(loaded), model_name=loaded.label, catalog=catalog, progress=config.progress,
             engine=engine,
         )
     rows = add_difference_to_reference(summarize(records), native_length(loaded.model))
-    settings = {"model": loaded.label, "dtype": loaded.dtype, "engine": config.engine,
+    settings = {"model": loaded.label, "dtype": loaded.dtype, "backend": config.backend,
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
                 "include_path": config.include_path, "max_length": window, "batch_size": config.batch_size,
-                "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.metadata,
-                "native_length": native_length(loaded.model), "output": config.output}
+                "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.sweep_metadata(),
+                "native_length": native_length(loaded.model), "output": config.output,
+                "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
     files = {}
     if config.output is not None:
         files = write_reports(rows, config.output, settings=settings, native_length=settings["native_length"])
+    report_steps(config.report_to, tracker_steps(rows), project="rope-patch-lm-eval", folder=config.output,
+                 config=settings)
     return LmEvalResult(rows, records, files, settings)

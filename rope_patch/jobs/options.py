@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean
 from ..files import atomic_write, check_path_length
 from ..hub import check_model_name
 from ..values import parse_bool, parse_number
@@ -213,7 +213,8 @@ class JobConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ConfigError(f"{cls.command or cls.__name__}: unknown option {', '.join(unknown)}; "
+            hint = did_you_mean(unknown[0], known) if len(unknown) == 1 else ""
+            raise ConfigError(f"{cls.command or cls.__name__}: unknown option {', '.join(unknown)}{hint}; "
                               f"known: {', '.join(sorted(known))}")
         if config is None:
             return cls(**options)
@@ -261,7 +262,10 @@ class JobConfig:
         for key, value in data.items():
             name = str(key).replace("-", "_")
             if name not in known | earlier:
-                raise ConfigError(f"config file {str(path)!r}: unknown option {key!r}; known: {', '.join(sorted(known))}")
+                hint = did_you_mean(name, known)
+                hint = hint.replace("_", "-") if "-" in str(key) else hint  # suggested as the key was spelled
+                raise ConfigError(f"config file {str(path)!r}: unknown option {key!r}{hint}; known: "
+                                  f"{', '.join(sorted(known))}")
             if name in values:
                 raise ConfigError(f"config file {str(path)!r}: {key!r} is given twice (as {name} and "
                                   f"{name.replace('_', '-')}); keep one")

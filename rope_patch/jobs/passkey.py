@@ -7,12 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from ..eval.passkey import KEY_FIELDS, evaluate_passkey
-from ..eval.passkey_report import format_table, short_cost_table, write_reports
+from ..eval.passkey_report import format_table, short_cost_table, tracker_steps, write_reports
+from ..tracking import report_steps
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
-from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from ..stopping import CONTROL
+from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.passkey import PasskeyConfig
+from .plans import passkey_plan, show_plan
 
 
 @dataclass
@@ -46,6 +50,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length, config.layer_types)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
@@ -54,15 +59,21 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
 
 
 def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) -> PasskeyResult:
-    with fast_path(loaded.model, config.kernels):
+    methods = len(method_entries(loaded.model, config.method))
+    show_plan(passkey_plan(methods, config.lengths, len(config.depths), config.trials, config.max_new_tokens),
+              loaded.model, "rope-patch passkey", progress=config.progress)
+    with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
         records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                    config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
                                    setup=config.setup(loaded), progress=config.progress)
     settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
                 "lengths": config.lengths, "depths": config.depths, "trials": config.trials, "seed": config.seed,
                 "max_new_tokens": config.max_new_tokens, "dtype": loaded.dtype,
-                "native_length": native_length(loaded.model), "output": config.output}
+                "native_length": native_length(loaded.model), "output": config.output,
+                "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
     files = {}
     if config.output is not None:
         files = write_reports(records, config.output, settings=settings, native_length=settings["native_length"])
+    report_steps(config.report_to, tracker_steps(records, settings["native_length"]), project="rope-patch-passkey",
+                 folder=config.output, config=settings)
     return PasskeyResult(records, files, settings)

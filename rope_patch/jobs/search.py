@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,17 @@ from ..eval.perplexity_report import cost_text
 from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, short_context_cost,
                                transformers_snippet)
 from ..eval.search_report import format_table, write_reports
+from ..data.heldout import leave_out_training
 from ..files import atomic_write, output_folder
 from ..eval.store import open_store
 from ..eval.sweep import model_setup
 from ..methods.frequency import rope_longrope
 from ..methods.evolution import Scored, SearchTrace, evolve, method_factors, yarn_factors
 from ..patching import input_device, native_length, primary_rotary, rotary_setup
+from ..stopping import CONTROL
+from .plans import search_plan, show_plan
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
+from .preflight import check_output_writable
 from .configs.eval import BOS_CHOICES
 from .configs.search import SearchConfig
 
@@ -99,13 +104,14 @@ def choose_documents(tokenized, min_tokens: int, config: SearchConfig) -> tuple[
 def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchResult:
     """Search LongRoPE factors for one model at one target length, save them, and compare them on held-out documents.
 
-    ``run_search(target_length=16384, candidates=24, documents=1, heldout=["_pydecimal.py"])``; options are the
+    ``run_search(lengths=[16384], candidates=24, documents=1, heldout=["_pydecimal.py"])``; options are the
     fields of ``SearchConfig``, and ``model=`` may be a loaded model (then pass ``tokenizer=``). Every scored
     candidate goes to OUTPUT/candidates.jsonl at once: rerun the same command to resume; the search replays the
     same candidates (same seed) and scores only those not stored.
     """
     options, loaded = split_loaded(options)
     config = SearchConfig.from_options(config, **options)
+    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
     with contextlib.ExitStack() as stack:  # the output folder held, and the stores closed, on success and on error
         stack.enter_context(output_folder(config.output, job=JOB))
         return _search(config, loaded, stack)
@@ -117,13 +123,16 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     model = loaded.model
     native = settle_native_length(model, config.native_length, config.layer_types)
     if config.target_length <= native:
-        raise ConfigError(f"--target-length {config.target_length:,} must exceed the native length {native:,}: "
+        raise ConfigError(f"--lengths {config.target_length:,} must exceed the native length {native:,}: "
                           "longrope's long factors apply only beyond it")
     factor = config.factor or config.target_length / native
     base = rotary_setup(model, *primary_rotary(model)[1:])
     protocol = Protocol("truncate", None, resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
-    heldin, heldout = choose_documents(tokenize_documents(loaded.tokenizer, corpus),
-                                       protocol.min_tokens(config.target_length), config)
+    tokenized, left_out = leave_out_training(tokenize_documents(loaded.tokenizer, corpus), config.model,
+                                             allow=False, verb="search")
+    if left_out:
+        print(f"{JOB}: leaving out {len(left_out)} document(s) {config.model} was fine-tuned on", file=sys.stderr)
+    heldin, heldout = choose_documents(tokenized, protocol.min_tokens(config.target_length), config)
     probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe)
 
@@ -147,6 +156,9 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                              store=store, setup=setup, loss_chunk=config.loss_chunk)
     evolution = config.evolution()
     budget = min(config.candidates or evolution.candidates, evolution.candidates)
+    compared = 2 + len(config.method or COMPARED)
+    show_plan(search_plan(budget, config.target_length, len(heldin), compared, len(heldout)), model, JOB,
+              progress=config.progress)
     bar = tqdm(total=budget, unit="candidate", desc="search", disable=not config.progress, dynamic_ncols=True)
     best = [float("inf")]
 
@@ -156,7 +168,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         bar.update()
 
     start = yarn_factors(base, factor)
-    with fast_path(model, config.kernels):
+    with fast_path(model, config.kernels, config.attention_kernel), CONTROL.stoppable(model):
         if config.max_short_cost is not None:
             short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
                                                          KEY_FIELDS, job=JOB))

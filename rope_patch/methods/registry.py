@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidParameterError, UnknownMethodError
+from ..errors import InvalidParameterError, UnknownMethodError, did_you_mean
 from ..values import parse_bool, parse_number
 
 
@@ -96,7 +96,8 @@ def available_methods() -> list[str]:
 
 def get_method(name: str) -> Method:
     if name not in METHODS:
-        raise UnknownMethodError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+        raise UnknownMethodError(f"unknown method {name!r}{did_you_mean(name, METHODS)}; known methods: "
+                                 f"{', '.join(METHODS)}")
     return METHODS[name]
 
 
@@ -135,7 +136,8 @@ def _check_names(name: str, method: Method, given: Mapping[str, Any]) -> None:
     unknown = sorted(str(key) for key in given if key not in method.params)
     if unknown:
         known = ", ".join(method.params) or "none"
-        raise InvalidParameterError(f"{name}: unknown parameter {', '.join(unknown)}; its parameters: {known}")
+        hint = did_you_mean(unknown[0], method.params) if len(unknown) == 1 else ""
+        raise InvalidParameterError(f"{name}: unknown parameter {', '.join(unknown)}{hint}; its parameters: {known}")
 
 
 def canonical_params(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -153,6 +155,25 @@ def canonical_params(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
+def missing_parameter(name: str, key: str, param: Param, pairs: int | None = None) -> InvalidParameterError:
+    """The refusal of a method spec that leaves out a parameter with no default (``yarn`` without ``factor``)."""
+    if param.kind == "floats":
+        example = f"[{','.join(['1.0'] * 3)},...] ({pairs} values)" if pairs else "[1.0,1.0,...] (one per rotary pair)"
+    else:
+        example = "2"
+    return InvalidParameterError(f"{name}: missing parameter {key} ({param.help}); e.g. {name}:{key}={example}")
+
+
+def require_parameters(name: str, given: Mapping[str, Any]) -> None:
+    """Refuse now, without a model, a method whose parameters with no default are not all given: the same refusal
+    ``resolve_params`` gives once a model is loaded, before the load."""
+    method = get_method(name)
+    _check_names(name, method, given)
+    for key, param in method.params.items():
+        if param.default is REQUIRED and key not in given:
+            raise missing_parameter(name, key, param)
+
+
 def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[str, Any]:
     """Validate ``given`` against the method's parameters and fill in defaults (the model's own where it has one)."""
     method = get_method(name)
@@ -162,8 +183,7 @@ def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[
         if key in given:
             params[key] = _coerce(name, key, param, given[key])
         elif param.default is REQUIRED:
-            example = f"[{','.join(['1.0'] * 3)},...] ({base.dim // 2} values)" if param.kind == "floats" else "2"
-            raise InvalidParameterError(f"{name}: missing parameter {key} ({param.help}); e.g. {name}:{key}={example}")
+            raise missing_parameter(name, key, param, base.dim // 2)
         else:
             params[key] = param.default(base) if callable(param.default) else param.default
     if method.check:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidParameterError
-from .registry import METHODS, canonical_params, get_method
+from .registry import METHODS, canonical_params, get_method, require_parameters
 from ..values import FALSE, TRUE, parse_bool, parse_number
 
 
@@ -186,3 +186,12 @@ def method_label(name: str, params: Mapping[str, Any] | None = None) -> str:
         return str(v)
 
     return name + ":" + ",".join(f"{k}={fmt(v)}" for k, v in params.items())
+
+
+def check_spec_alone(spec: str | Mapping[str, Any]) -> None:
+    """Every check of a method spec that needs no model: the names, each parameter's kind and bounds, and every
+    parameter with no default given (``yarn`` alone is refused here, before minutes of loading). What depends on the
+    model (its head size, its native length) is checked when the method is applied."""
+    for part in frequency_and_attention(spec):
+        if part is not None:
+            require_parameters(*part)

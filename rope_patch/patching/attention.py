@@ -34,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..errors import UnsupportedModelError
 from ..methods.attention import Bands, attention_bands
+from .flex import attention_path, fused_banded_attention
 from .layer_rotation import layer_inv_freq, probe_layer_rotations, rotate_by
 from .offload import lacks_weights
 from .rotary import MISSING, find_rotary_modules
@@ -117,15 +118,32 @@ def key_positions(module: nn.Module, q_pos: torch.Tensor, keys: int) -> torch.Te
 
 
 def plain_attention(query, key, value, mask, scaling: float, softcap: float | None) -> torch.Tensor:
-    """Causal attention as the family computes it, for a layer without RoPE: q, k [b, h, n/k, dim] (heads repeated).
+    """Causal attention as the family computes it, for a layer without RoPE: q [b, h, n, dim], k and v [b, h or
+    kv_heads, k, dim] (repeated for SDPA's plain causal case).
     Returns [b, q, h, dim]."""
     length, keys = query.shape[2], key.shape[2]
     if mask is None and softcap is None:  # transformers gives None only when causal by index is the whole mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=length > 1 and length == keys, scale=scaling)
         return out.transpose(1, 2).contiguous()
     positions = torch.zeros(query.shape[0], keys, device=query.device)
-    return banded_attention(query, key, value, [], positions[:, keys - length:], positions, PLAIN, mask, scaling,
-                            softcap)
+    return layouts_attention([query], [key], value, positions[:, keys - length:], positions, PLAIN, mask, scaling,
+                             softcap)
+
+
+def layouts_attention(queries: list[torch.Tensor], keys: list[torch.Tensor], value: torch.Tensor,
+                      q_pos: torch.Tensor, k_pos: torch.Tensor, bands: Bands, mask, scaling: float,
+                      softcap: float | None) -> torch.Tensor:
+    """The method's layouts (queries [b, h, q, dim], keys [b, kv_heads, k, dim], one per layout) on the path
+    ``flex.attention_path`` chooses: fused (FlexAttention per layout, grouped heads as they are) or tiled (heads
+    repeated, query tiles). Returns [b, q, h, dim]."""
+    if attention_path(queries[0].device) == "fused":
+        return fused_banded_attention(queries, keys, value, q_pos, k_pos, bands, mask, scaling, softcap)
+    heads = queries[0].shape[1]
+    repeated = {id(k): _repeat_heads(k, heads) for k in keys}  # layouts that share keys (DCA's) share the copy
+    keys = [repeated[id(k)] for k in keys]
+    far = list(zip(queries[1:], keys[1:]))
+    return banded_attention(queries[0], keys[0], _repeat_heads(value, heads), far, q_pos, k_pos, bands, mask,
+                            scaling, softcap)
 
 
 def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -149,17 +167,19 @@ def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         raise UnsupportedModelError(f"layer {module.layer_idx}: its rotation was not measured when the attention "
                                     "method was installed (the model had no weights then); patch the loaded model again")
     if layout == "none":  # a NoPE layer: the family attends without positions, and so do we
-        key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
+        if attention_mask is None and softcap is None:
+            key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
         return plain_attention(query, key, value, attention_mask, scale, softcap), None
     q_pos, k_pos = q_pos.to(query.device), k_pos.to(query.device)
     inv_freq = setup.inv_freq(module).to(query.device)
-    far, rotated_keys = [], {}  # layouts that share a key map (DCA's) share its rotated keys
+    queries, keys_by_layout, rotated_keys = [query], [key], {}  # layouts sharing a key map (DCA's) share its keys
     for query_map, key_map in setup.bands.layouts:
         if id(key_map) not in rotated_keys:
-            rotated_keys[id(key_map)] = _repeat_heads(rotate_by(key, key_map(k_pos) - k_pos, inv_freq, layout), heads)
-        far.append((rotate_by(query, query_map(q_pos) - q_pos, inv_freq, layout), rotated_keys[id(key_map)]))
-    key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
-    output = banded_attention(query, key, value, far, q_pos, k_pos, setup.bands, attention_mask, scale, softcap)
+            rotated_keys[id(key_map)] = rotate_by(key, key_map(k_pos) - k_pos, inv_freq, layout)
+        queries.append(rotate_by(query, query_map(q_pos) - q_pos, inv_freq, layout))
+        keys_by_layout.append(rotated_keys[id(key_map)])
+    output = layouts_attention(queries, keys_by_layout, value, q_pos, k_pos, setup.bands, attention_mask, scale,
+                               softcap)
     return output, None
 
 

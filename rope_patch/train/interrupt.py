@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..stopping import CONTROL
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -50,9 +52,11 @@ class StopRequest:
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        CONTROL.delegated += 1  # the command line's listener leaves these signals to this one
         return self
 
     def __exit__(self, *exc) -> None:
+        CONTROL.delegated -= 1
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous = {}

@@ -1,4 +1,4 @@
-"""The training log: ``step=N loss=X lr=Y tok/s=Z`` lines, OUTPUT/train_log.csv, and TensorBoard when installed."""
+"""The training log: ``step=N loss=X lr=Y tok/s=Z`` lines, OUTPUT/train_log.csv, and the trackers of --report-to."""
 
 from __future__ import annotations
 
@@ -7,15 +7,14 @@ import csv
 import io
 from pathlib import Path
 
-from accelerate.utils import is_tensorboard_available
 from tqdm.auto import tqdm
 
 LOG_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "tokens_seen", "elapsed_s")
 
 
 class TrainingLog:
-    """``step=N loss=X lr=Y tok/s=Z`` lines on stdout, the same figures in OUTPUT/train_log.csv (and TensorBoard
-    when installed). On resume, rows past the checkpoint's step (logged before the run died) are dropped."""
+    """``step=N loss=X lr=Y tok/s=Z`` lines on stdout, the same figures in OUTPUT/train_log.csv (and the trackers
+    of ``--report-to``). On resume, rows past the checkpoint's step (logged before the run died) are dropped."""
 
     def __init__(self, output: Path, accelerator, resume_step: int = 0):
         self.accelerator = accelerator
@@ -69,8 +68,5 @@ class TrainingLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-
-
-def tensorboard() -> str | None:
-    """accelerate's tracker name where TensorBoard is installed, else None."""
-    return "tensorboard" if is_tensorboard_available() else None
+        if self.accelerator.log_with:  # --report-to: each tracker's run closed (W&B's and MLflow's say it ended)
+            self.accelerator.end_training()

@@ -104,7 +104,7 @@ def test_scores_equal_lm_evals_own_hf_model_on_a_checkpoint_saved_with_the_scali
     rope_patch.unpatch(model)
 
     ours = rope_patch.run_lm_eval(model=model, tokenizer=tokenizer, method=[spec], tasks=["tiny_rolling"],
-                                  include_path=str(tasks_dir), max_length=128, output=None, progress=False)
+                                  include_path=str(tasks_dir), lengths=[128], output=None, progress=False)
     theirs = lm_eval.simple_evaluate(
         model="hf", model_args={"pretrained": str(tmp_path / "saved"), "dtype": "float32", "max_length": 128,
                                 "device": "cpu"},
@@ -141,7 +141,7 @@ def test_a_finished_method_and_task_is_not_run_again_and_an_interruption_keeps_w
         tasks_dir, tmp_path, count_runs):
     model, tokenizer = build_model(tiny_llama_config()), make_char_tokenizer()
     options = dict(model=model, tokenizer=tokenizer, method=["none", "linear:factor=2"],
-                   tasks=["tiny_rolling", "tiny_generate"], include_path=str(tasks_dir), max_length=128,
+                   tasks=["tiny_rolling", "tiny_generate"], include_path=str(tasks_dir), lengths=[128],
                    progress=False)
     full = rope_patch.run_lm_eval(**options, output=str(tmp_path / "full"))
     assert count_runs["calls"] == 4 and len(full.results_files) == 4
@@ -167,15 +167,15 @@ def test_other_settings_are_run_again(tasks_dir, tmp_path, count_runs):
     model, tokenizer = build_model(tiny_llama_config()), make_char_tokenizer()
     options = dict(model=model, tokenizer=tokenizer, method=["none"], tasks=["tiny_rolling"],
                    include_path=str(tasks_dir), output=str(tmp_path / "o"), progress=False)
-    rope_patch.run_lm_eval(**options, max_length=64)
-    rope_patch.run_lm_eval(**options, max_length=128)
-    rope_patch.run_lm_eval(**options, max_length=128, limit=2)
+    rope_patch.run_lm_eval(**options, lengths=[64])
+    rope_patch.run_lm_eval(**options, lengths=[128])
+    rope_patch.run_lm_eval(**options, lengths=[128], limit=2)
     assert count_runs["calls"] == 3
 
 
 def test_dtype_and_batch_size_are_keyed(tiny_folder, tasks_dir, tmp_path, count_runs, capsys):
     options = dict(model=str(tiny_folder[0]), method=["none"], tasks=["tiny_rolling"], include_path=str(tasks_dir),
-                   output=str(tmp_path / "o"), max_length=128, progress=False)
+                   output=str(tmp_path / "o"), lengths=[128], progress=False)
     first = rope_patch.run_lm_eval(**options, dtype="fp32")
     rope_patch.run_lm_eval(**options, dtype="fp32")
     assert count_runs["calls"] == 1
@@ -190,7 +190,7 @@ def test_dtype_and_batch_size_are_keyed(tiny_folder, tasks_dir, tmp_path, count_
 
 
 def test_the_default_window_is_the_sweeps_extended_context_for_every_method(tasks_dir, tmp_path):
-    """Without --max-length every method is scored at the longest context the sweep extends to (yarn ×2: 128, twice
+    """Without --lengths every method is scored at the longest context the sweep extends to (yarn ×2: 128, twice
     the native 64), `none` included: equal to lm-eval's own `--model hf` at max_length 128 on saved checkpoints."""
     from lm_eval.tasks import TaskManager
 
@@ -217,7 +217,7 @@ def test_a_method_without_an_extended_context_asks_for_max_length(spec, tiny_fol
     code = main(["lm-eval", "--model", str(tiny_folder[0]), "--method", "none", "--method", spec,
                  "--tasks", "tiny_rolling", "--include-path", str(tasks_dir), "--output", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar, before any lm-eval run
-    assert code == 2 and spec in err and "--max-length" in err and "Traceback" not in err
+    assert code == 2 and spec in err and "--lengths" in err and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------------------------- generation
@@ -237,7 +237,7 @@ def test_a_dynamic_method_generates_with_one_fixed_length_equal_to_a_full_recomp
 
     monkeypatch.setattr(type(model), "generate", spy)
     rope_patch.run_lm_eval(model=model, tokenizer=tokenizer, method=["dynamic_ntk:factor=2"], tasks=["tiny_generate"],
-                           include_path=str(tasks_dir), max_length=128, output=None, progress=False)
+                           include_path=str(tasks_dir), lengths=[128], output=None, progress=False)
     assert len(calls) == 3
     with rope_patch.patched(model, "dynamic_ntk", factor=2):
         for input_ids, frozen, output in calls:
@@ -262,7 +262,7 @@ def test_an_attention_method_scores_and_generates_through_lm_eval_as_the_dense_r
 
     model, tokenizer = build_model(tiny_llama_config(initializer_range=0.2)), make_char_tokenizer()  # 10x the default
     name, params = rope_patch.parse_method_spec(spec)  # init: attention far from uniform, positions matter (~1 %)
-    options = dict(model=model, tokenizer=tokenizer, include_path=str(tasks_dir), max_length=128, output=None,
+    options = dict(model=model, tokenizer=tokenizer, include_path=str(tasks_dir), lengths=[128], output=None,
                    progress=False)
     rolling = rope_patch.run_lm_eval(method=["none", spec], tasks=["tiny_rolling"], **options)
     got = {(r["method"], r["metric"]): r["value"] for r in rolling.rows}

@@ -1,6 +1,6 @@
-"""`rope-patch lm-eval --engine vllm` without vLLM: the log-probability comparison against closed forms, the probe
+"""`rope-patch lm-eval --backend vllm` without vLLM: the log-probability comparison against closed forms, the probe
 check with a fake engine, the engine in the results key, and every refusal (attention and dynamic methods, LongRoPE's
-short/long switch, vllm missing, options that need --engine vllm). Real vLLM runs are in test_vllm_slow.py."""
+short/long switch, vllm missing, options that need --backend vllm). Real vLLM runs are in test_vllm_slow.py."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_the_probe_refuses_an_engine_over_tolerance_with_the_figure(fake_vllm, e
     entry = MethodEntry("yarn:factor=2", "yarn", {"factor": 2.0})
     with patched(model, "yarn", factor=2.0):
         if refused:
-            with pytest.raises(EngineMismatchError, match=r"5\.00e-02 > 1e-03.*--engine hf"):
+            with pytest.raises(EngineMismatchError, match=r"5\.00e-02 > 1e-03.*--backend hf"):
                 engine.check_probe(entry, {}, 96, FakeLLM(model, error))
         else:
             engine.check_probe(entry, {}, 96, FakeLLM(model, error))
@@ -150,7 +150,7 @@ def test_methods_vllm_cannot_run_are_refused_with_a_pointer_to_hf(spec, message)
     from rope_patch.eval.sweep import method_entries
 
     (entry,) = method_entries(None, [spec])
-    with pytest.raises(ConfigError, match=f"{message}.*--engine hf"):
+    with pytest.raises(ConfigError, match=f"{message}.*--backend hf"):
         check_servable(entry, "vllm")
 
 
@@ -162,7 +162,7 @@ def test_vllm_overrides_come_from_serving_settings_and_longrope_short_long_is_re
         assert overrides["max_position_embeddings"] == 128
     half = model.config.head_dim // 2
     longrope = dict(factor=2.0, short_factor=[1.0] * half, long_factor=[2.0] * half)
-    with patched(model, "longrope", **longrope), pytest.raises(EngineUnsupportedError, match="short.*--engine hf"):
+    with patched(model, "longrope", **longrope), pytest.raises(EngineUnsupportedError, match="short.*--backend hf"):
         vllm_serving(model, 96)  # vLLM picks one list for every sequence, transformers by each one's length
     with patched(model, "longrope", **{**longrope, "short_factor": [2.0] * half}):
         assert vllm_serving(model, 128)[1] == 128
@@ -181,7 +181,7 @@ def test_without_vllm_one_line_says_how_to_get_it(tiny_folder, monkeypatch, caps
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
     with pytest.raises(MissingExtraError, match="make vllm-env"):
         require_vllm()
-    code = main(["lm-eval", "--engine", "vllm", "--model", str(tiny_folder[0]), "--tasks", "hellaswag",
+    code = main(["lm-eval", "--backend", "vllm", "--model", str(tiny_folder[0]), "--tasks", "hellaswag",
                  "--output", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "make vllm-env" in err and "Traceback" not in err
@@ -189,7 +189,7 @@ def test_without_vllm_one_line_says_how_to_get_it(tiny_folder, monkeypatch, caps
 
 def test_the_rolling_window_note_names_the_window_that_compares():
     note = harness_engines.rolling_window_note(12288)
-    assert "windows of 12,286 tokens" in note and "--max-length 12286" in note and len(note.splitlines()) == 1
+    assert "windows of 12,286 tokens" in note and "--lengths 12286" in note and len(note.splitlines()) == 1
 
 
 def test_a_build_installed_under_another_name_answers_for_vllm(monkeypatch):
@@ -211,11 +211,11 @@ def test_a_build_installed_under_another_name_answers_for_vllm(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--engine", "vllm", "--method", "dynamic_ntk:factor=2"], "freezes at one length"),
-    (["--engine", "vllm", "--method", "self_extend:group=4,window=32"], "attention-level"),
-    (["--tensor-parallel-size", "2"], "go with --engine vllm"),
-    (["--engine", "vllm", "--data-parallel-size", "0"], "positive whole numbers"),
-    (["--engine", "vllm", "--engine-tolerance", "0"], "positive number"),
+    (["--backend", "vllm", "--method", "dynamic_ntk:factor=2"], "freezes at one length"),
+    (["--backend", "vllm", "--method", "self_extend:group=4,window=32"], "attention-level"),
+    (["--tensor-parallel-size", "2"], "go with --backend vllm"),
+    (["--backend", "vllm", "--data-parallel-size", "0"], "positive whole numbers"),
+    (["--backend", "vllm", "--backend-tolerance", "0"], "positive number"),
 ])
 def test_bad_engine_options_exit_2_with_one_line(tiny_folder, tmp_path, capsys, argv, message):
     code = main(["lm-eval", "--model", str(tiny_folder[0]), "--tasks", "hellaswag", "--output",
@@ -226,6 +226,6 @@ def test_bad_engine_options_exit_2_with_one_line(tiny_folder, tmp_path, capsys, 
 
 
 def test_passkey_through_vllm_is_refused_in_one_line(tiny_folder, capsys):
-    code = main(["passkey", "--engine", "vllm", "--model", str(tiny_folder[0])])
+    code = main(["passkey", "--backend", "vllm", "--model", str(tiny_folder[0])])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "lm-eval --engine vllm" in err
+    assert code == 2 and len(err.splitlines()) == 1 and "lm-eval --backend vllm" in err

@@ -71,7 +71,7 @@ def count_scored(monkeypatch) -> list:
 
 
 def search_options(root, **overrides):
-    return dict(model=str(root / "tiny"), dataset=str(root / "corpus"), target_length=2 * NATIVE, dtype="fp32",
+    return dict(model=str(root / "tiny"), dataset=str(root / "corpus"), lengths=[2 * NATIVE], dtype="fp32",
                 documents=1, heldout_documents=0, candidates=2, population=2, parents=1, mutations=1, crossovers=0,
                 output=str(root / "run"), progress=False) | overrides
 

@@ -282,8 +282,8 @@ def test_inspect_takes_its_model_as_every_verb_does(tmp_path):
 
 def test_passkey_engine_vllm_points_to_lm_eval(capsys):
     """passkey's --help no longer offers vllm; asked for anyway, the refusal says what runs passkey through vLLM."""
-    assert main(["passkey", "--engine", "vllm"]) == 2
-    assert "rope-patch lm-eval --engine vllm --tasks niah_single_1" in capsys.readouterr().err
+    assert main(["passkey", "--backend", "vllm"]) == 2
+    assert "rope-patch lm-eval --backend vllm --tasks niah_single_1" in capsys.readouterr().err
 
 
 def test_a_flag_overrides_yaml_whichever_name_each_used(fresh_renames, tmp_path):

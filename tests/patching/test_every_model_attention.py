@@ -69,3 +69,15 @@ def test_every_attention_method_is_exact_or_refused(model_type):
         with torch.no_grad():
             assert torch.equal(model(ids).logits, plain), (model_type, name, "unpatch did not restore the model")
     assert not changed or any(changed), (model_type, "no accepted method changed the model: the check cannot fail")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(reason=ORACLE_GAPS[t], strict=False))
+                                        if t in ORACLE_GAPS else t for t in TYPES])
+def test_every_attention_method_fused_is_exact_or_refused(model_type):
+    """The same sweep on the fused path (FlexAttention per layout, eager on the CPU); the default run checks it on a
+    few families in ``test_flex_attention``."""
+    from rope_patch.patching.flex import attention_kernel
+
+    with attention_kernel("fused"):
+        test_every_attention_method_is_exact_or_refused(model_type)

@@ -8,7 +8,7 @@ from typing import ClassVar
 from ...choices import AS_LOADED, PROTOCOLS
 from ...errors import ConfigError
 from ..options import option
-from .sweep import SweepConfig
+from .sweep import SweepConfig, report_to_option
 
 BOS_CHOICES = {"auto": None, "yes": True, "no": False}
 DATASET_HELP = ("hub data set name, or a local .txt/.jsonl/.parquet file or folder (default: the embedded corpus built "
@@ -47,7 +47,11 @@ class EvalConfig(SweepConfig):
                                  choices=("auto",))
     short_cost: bool = option(True, "score the unpatched model (none) at the lengths up to native when it is not a "
                                      "--method, for the short-context cost: each method's perplexity ratio to none")
+    allow_training_documents: bool = option(False, "score documents a fine-tuned --model was trained on (its "
+                                                   "training_documents.json); by default they are left out, and a "
+                                                   "run with nothing else to score is refused")
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
+    report_to: list[str] = report_to_option()
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots, "
                                              "relative to the current folder (none from Python with output=None)",
                                 folder=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...choices import KERNELS
+from ...choices import ATTENTION_KERNELS, KERNELS
 from ...errors import ConfigError
 from ..options import JobConfig, option
-from .sweep import KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
+from .sweep import (ATTENTION_KERNEL_HELP, KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option,
+                    progress_option, report_to_option)
 
 
 @dataclass
@@ -51,6 +52,16 @@ class FinetuneConfig(JobConfig):
     save_adapter: bool = option(False, "with --lora, save the adapter and the extra trained weights instead of merging them")
     gradient_checkpointing: bool = option(True, "recompute activations in the backward pass (much less memory, one "
                                                 "more forward pass of compute)")
+    offload_activations: str = option("auto", "copy each decoder layer's checkpointed input to CPU memory in the "
+                                              "forward pass and back in the backward pass (GPU memory saved: layers x "
+                                              "hidden size x 2 bytes per token); auto: on with a CUDA GPU above 64k "
+                                              "tokens per sequence", choices=("auto", "on", "off"))
+    tiled_mlp: str = option("auto", "run each decoder layer's MLP on --mlp-tile tokens at a time, recomputed in the "
+                                    "backward pass (MLP activations of one tile, one more MLP forward of compute); "
+                                    "auto: on above 64k tokens per sequence, for models without mixtures of experts",
+                            choices=("auto", "on", "off"))
+    mlp_tile: int | None = option(None, "tokens per tile of --tiled-mlp (default: the model's hidden size)",
+                                  tokens=True, metavar="TOKENS")
     # --dtype, as every other verb names it (and transformers' from_pretrained): one name per concept
     dtype: str = option("auto", "the weights' dtype in training: auto (fp32 weights with bf16 mixed precision on a "
                                 "GPU, fp32 on CPU), bf16-mixed (the same on any device), bf16 (bf16 weights) or fp32",
@@ -58,6 +69,7 @@ class FinetuneConfig(JobConfig):
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (e.g. sdpa, "
                                                    "flash_attention_2, eager)")
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
+    attention_kernel: str = option("auto", ATTENTION_KERNEL_HELP, choices=ATTENTION_KERNELS)
     sequence_parallel: int = option(1, "split each sequence over N processes (DeepSpeed Ulysses; N divides the "
                                        "processes of accelerate launch, data parallelism is the rest)", metavar="N")
     output: str = option("runs/finetune", "folder for the final model, the training log and checkpoints/, relative "
@@ -78,12 +90,17 @@ class FinetuneConfig(JobConfig):
                                    metavar="N", aliases=("num_documents",))
     exclude_documents: list[str] = option([], "document ids kept out of training, e.g. those an evaluation will score "
                                               "(comma-separated)", metavar="IDS")
+    report_to: list[str] = report_to_option("send loss, learning rate and tokens/s to experiment trackers, "
+                                            "comma-separated: trackio, wandb, mlflow, tensorboard, or none (their "
+                                            "files under --output; pip install 'rope-patch[trackers]')")
     progress: bool = progress_option()
 
     def validate(self) -> None:
         from ...kernels import check_kernels_available
-        from ...methods import frequency_and_attention, parse_method_spec
+        from ...methods import check_spec_alone, frequency_and_attention, parse_method_spec
 
+        if self.mlp_tile is not None and self.mlp_tile <= 0:
+            raise ConfigError(f"--mlp-tile must be a positive number of tokens, got {self.mlp_tile!r}")
         for name in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(self, name)!r}")
@@ -101,10 +118,25 @@ class FinetuneConfig(JobConfig):
         if not 1 <= self.pose_chunks <= self.seq_len:
             raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
+        check_spec_alone(self.method)  # and one that leaves out a parameter with no default
         if self.sequence_parallel > 1 and frequency_and_attention(self.method)[1]:
             raise ConfigError(f"--sequence-parallel cannot run {self.method}: its banded attention is not the core "
                               "attention Ulysses wraps; train a frequency method, add the attention method at eval")
         if self.sequence_parallel > 1 and self.attn_implementation == "eager":
             raise ConfigError("--sequence-parallel cannot use --attn-implementation eager, which builds a "
                               "whole-sequence 4D mask; use sdpa (or flash_attention_2 on GPUs)")
+        if self.attention_kernel == "fused" and frequency_and_attention(self.method)[1]:
+            import torch
+
+            if not torch.cuda.is_available():  # before loading: flex has no backward pass on a CPU
+                raise ConfigError("--attention-kernel fused: FlexAttention has no backward pass on a CPU; train with "
+                                  "--attention-kernel tiled (auto picks it there) or on a CUDA GPU")
         check_kernels_available(self.kernels)
+        from ...train.long_sequences import check_long_sequence_options
+
+        check_long_sequence_options(offload=self.offload_activations, tiled=self.tiled_mlp,
+                                    gradient_checkpointing=self.gradient_checkpointing, sharded=False,
+                                    sequence_parallel=self.sequence_parallel)
+        from ...tracking import check_trackers
+
+        check_trackers(self.report_to)  # a tracker not installed: one line before the model loads

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from ...errors import ConfigError
 from ..options import option
-from .sweep import SweepConfig
+from .sweep import SweepConfig, report_to_option
 
 
 @dataclass
@@ -23,9 +23,12 @@ class PasskeyConfig(SweepConfig):
     trials: int = option(5, "trials (random keys) per length × depth")
     seed: int = option(0, "seed of the random keys")
     max_new_tokens: int = option(8, "tokens generated per answer")
-    # one engine; the option stays so that `--engine vllm` gets the pointer below instead of "unknown option"
-    engine: str = option("hf", "what generates the answers; hf is the only one (for passkey retrieval through vLLM, "
-                               "run rope-patch lm-eval --engine vllm --tasks niah_single_1)", metavar="hf")
+    # one backend; the option stays so that `--backend vllm` gets the pointer below instead of "unknown option"
+    # (before: --engine, which is export's serving engine)
+    backend: str = option("hf", "what generates the answers; hf is the only one (for passkey retrieval through vLLM, "
+                                "run rope-patch lm-eval --backend vllm --tasks niah_single_1)", metavar="hf",
+                          aliases=("engine",))
+    report_to: list[str] = report_to_option()
     output: str | None = option("runs/passkey", "folder for results.jsonl (resumable), summary.csv/.json and plots, "
                                                 "relative to the current folder (none from Python with output=None)",
                                 folder=True)
@@ -34,8 +37,8 @@ class PasskeyConfig(SweepConfig):
         super().validate()
         from ...eval.passkey import check_grid
 
-        if self.engine != "hf":
-            raise ConfigError(f"passkey --engine {self.engine}: passkey trials generate through the patched model "
-                              "object (hf); run RULER's needle tasks through vLLM with rope-patch lm-eval --engine "
+        if self.backend != "hf":
+            raise ConfigError(f"passkey --backend {self.backend}: passkey trials generate through the patched model "
+                              "object (hf); run RULER's needle tasks through vLLM with rope-patch lm-eval --backend "
                               "vllm --tasks niah_single_1")
         check_grid(self.lengths, self.depths, self.trials, self.max_new_tokens)

@@ -21,10 +21,12 @@ class SearchConfig(SweepConfig):
     method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
                                    "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",
                                repeat=True, split=False, metavar="SPEC", spec=True)
-    target_length: int = option(16384, "the length the factors are searched for (beyond the native length), e.g. 16k",
-                                tokens=True)
+    # --lengths, as every evaluation names its lengths (before: --target-length); one search finds one set of
+    # factors, so one length: search another with another run (and --output)
+    lengths: list[int] = option([16384], "the length the factors are searched for (beyond the native length), e.g. "
+                                         "16k; one per search", tokens=True, aliases=("target_length",))
     factor: float | None = option(None, "scale factor s: LongRoPE's attention factor sqrt(1 + ln s / ln L), factors "
-                                        "within [1, 1 + s], YaRN's starting factors (default: target / native length)")
+                                        "within [1, 1 + s], YaRN's starting factors (default: --lengths / native length)")
     dataset: str | None = option(None, "documents, the sources of 'rope-patch eval' (default: the embedded corpus)")
     split: str | None = option(None, EVAL_SPLIT_HELP)
     subset: str | None = option(None, "configuration name of a hub data set, if it has several")
@@ -57,8 +59,16 @@ class SearchConfig(SweepConfig):
                                                "with output=None)",
                                 folder=True)
 
+    @property
+    def target_length(self) -> int:
+        """The one length of ``--lengths``: the length the factors are searched for."""
+        return self.lengths[0]
+
     def validate(self) -> None:
         super().validate()
+        if len(self.lengths) != 1:
+            raise ConfigError(f"--lengths {','.join(map(str, self.lengths))}: a search finds the factors of one "
+                              "length; give one, and search each other length in its own run (its own --output)")
         if self.documents < 1 or self.heldout_documents < 0 or self.loss_chunk < 1:
             raise ConfigError("--documents and --loss-chunk must be positive, --heldout-documents not negative")
         if self.factor is not None and self.factor <= 1:

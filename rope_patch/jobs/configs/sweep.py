@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ...choices import AS_LOADED, KERNELS
+from ...choices import AS_LOADED, ATTENTION_KERNELS, KERNELS, REPORT_TO
 from ...errors import ConfigError
 from ..options import JobConfig, option
 
@@ -29,6 +29,10 @@ KERNELS_HELP = ("fused Triton kernels: liger (liger-kernel's RMSNorm, SwiGLU and
                 "frequencies; in training also its fused linear cross-entropy; needs a CUDA GPU and pip install "
                 "'rope-patch[liger]'; on CPU, TRITON_INTERPRET=1 runs its RoPE and fused cross-entropy in Triton's "
                 "interpreter) or none")
+ATTENTION_KERNEL_HELP = ("how the attention-level methods (self_extend, rerope, leaky_rerope, dca) run: fused "
+                         "(FlexAttention, one call per position layout over its own block mask, merged by log-sum-exp), "
+                         "tiled (query tiles, the far keys through SDPA), or auto: fused on a CUDA GPU, tiled elsewhere; "
+                         "the numbers agree within float rounding, so a resumed run reuses rows of either")
 DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16")
 DTYPE_HELP = "the weights' dtype: auto (bf16 on a GPU and on CPUs with native bf16, fp32 elsewhere), bf16, fp32 or fp16"
 PROGRESS_HELP = ("show progress bars, rope_patch's and the libraries' (transformers' weight loading, the hub's, "
@@ -39,6 +43,16 @@ def model_option(help: str = MODEL_HELP, **kwargs: Any) -> Any:
     """``--model``: a hub id or local folder; a local-looking path that does not exist is refused when the config is
     built, before any hub lookup."""
     return option(None, help, model=True, **kwargs)
+
+
+REPORT_TO_HELP = ("send the run's figures to experiment trackers, comma-separated: trackio, wandb, mlflow, "
+                  "tensorboard, or none (their files under --output; pip install 'rope-patch[trackers]')")
+
+
+def report_to_option(help: str = REPORT_TO_HELP) -> Any:
+    """``--report-to``: the trackers a job reports to (accelerate's), the same option on finetune and every
+    evaluation."""
+    return option(["none"], help, choices=REPORT_TO, metavar="TRACKERS")
 
 
 def progress_option() -> Any:
@@ -62,6 +76,7 @@ class SweepConfig(JobConfig):
     attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
                                                    "flash_attention_2 on a GPU where installed)")
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
+    attention_kernel: str = option("auto", ATTENTION_KERNEL_HELP, choices=ATTENTION_KERNELS)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
     layer_types: list[str] | None = option(None, LAYER_TYPES_HELP, metavar="TYPES")
     device_map: str | None = option(None, DEVICE_MAP_HELP, metavar="MAP")
@@ -77,6 +92,10 @@ class SweepConfig(JobConfig):
         from ...loading import check_offload, parse_device_map
 
         method_entries(None, self.method)  # a typo fails before anything is loaded
+        if hasattr(self, "report_to"):
+            from ...tracking import check_trackers
+
+            check_trackers(self.report_to)  # a tracker not installed: one line now, not after the run
         check_kernels_available(self.kernels)
         check_offload(parse_device_map(self.device_map), self.offload_folder)
         if self.sequence_parallel < 1:

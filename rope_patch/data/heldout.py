@@ -1,0 +1,58 @@
+"""Held-out scoring by construction: a fine-tuned folder records the documents it was trained on
+(``training_documents.json``: ids and hashes of their tokens), and an evaluation of that folder leaves them out of its
+documents, or refuses in one line when nothing else is left, unless told ``--allow-training-documents``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import DataError
+from ..files import atomic_write
+from .tokens import TokenizedDocument
+
+TRAINING_MANIFEST = "training_documents.json"
+
+
+def write_training_manifest(folder: str | os.PathLike, source: str | None,
+                            documents: Sequence[TokenizedDocument]) -> Path:
+    """Record in ``folder`` the documents a fine-tune trained on (by id and by a hash of their tokens)."""
+    entries = [{"id": d.id, "tokens": len(d), "hash": d.content_hash()} for d in documents]
+    body = {"source": source or "stdlib", "documents": entries}
+    return atomic_write(Path(folder) / TRAINING_MANIFEST, json.dumps(body, indent=1) + "\n")
+
+
+def trained_hashes(model: str | os.PathLike | None) -> dict[str, str]:
+    """The documents the model folder records it was trained on, hash → id; empty for a model without a record
+    (a hub model, the embedded one, a folder not made by ``finetune``) or with an unreadable one (said once)."""
+    if model is None or not Path(model).is_dir():
+        return {}
+    path = Path(model) / TRAINING_MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+        return {str(e["hash"]): str(e["id"]) for e in body["documents"]}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{path} is unreadable ({type(error).__name__}): it says which documents the model was "
+                        "trained on; restore it, or delete it to evaluate without that check") from None
+
+
+def leave_out_training(documents: Sequence[TokenizedDocument], model: str | os.PathLike | None, *,
+                       allow: bool, verb: str) -> tuple[list[TokenizedDocument], list[str]]:
+    """``documents`` less those ``model`` was fine-tuned on, and the ids left out. With none left, one line refuses
+    (unless ``allow``: then all are kept, and said by the caller)."""
+    trained = trained_hashes(model)
+    if allow or not trained:
+        return list(documents), []
+    kept = [d for d in documents if d.content_hash() not in trained]
+    left_out = [d.id for d in documents if d.content_hash() in trained]
+    if not kept:
+        names = ", ".join(left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+        raise DataError(f"every document of the data ({names}) is one {model} was fine-tuned on "
+                        f"({Path(model) / TRAINING_MANIFEST}): its perplexity there is not held-out; evaluate on other "
+                        f"text (the embedded corpus's test part is the default), or pass --allow-training-documents "
+                        f"to {verb} them anyway")
+    return kept, left_out
