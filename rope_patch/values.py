@@ -12,6 +12,8 @@ from typing import Any
 TRUE = ("true", "yes", "on", "1")
 FALSE = ("false", "no", "off", "0")
 BOOL_HINT = "give true or false (also yes/no, on/off, 1/0)"
+MAX_INTEGER = 2**63 - 1  # what torch and numpy hold (int64): a larger whole number is no length, count or seed
+MAX_NUMBER_TEXT = 64  # characters: more is no number anyone means (and int() of 5,000 digits takes a while)
 
 
 def parse_bool(value: Any) -> bool:
@@ -36,6 +38,8 @@ def parse_number(value: Any, *, whole: bool = False, tokens: bool = False) -> in
     number = int(value) if isinstance(value, numbers.Integral) else value  # numpy's integers too
     if isinstance(value, str):
         text = value.strip()
+        if len(text) > MAX_NUMBER_TEXT:
+            raise ValueError(f"{hint}; {text[:12]}... is {len(text):,} characters long")
         scale = 1024 if tokens and text[-1:].lower() == "k" else 1
         text = text[:-1] if scale > 1 else text
         try:
@@ -45,6 +49,9 @@ def parse_number(value: Any, *, whole: bool = False, tokens: bool = False) -> in
                 number = float(text) * scale
             except ValueError:
                 raise ValueError(hint) from None
+    if isinstance(number, int) and abs(number) > MAX_INTEGER:  # before isfinite: a huge int overflows a float
+        raise ValueError(f"{hint} no larger than 2^63 - 1 = {MAX_INTEGER:,} (this one has "
+                         f"{len(str(abs(number))):,} digits)")
     if not math.isfinite(number):
         raise ValueError(f"{hint}, not {number}")
     if whole:

@@ -136,3 +136,14 @@ def test_the_flag_alone_and_its_no_form():
     assert parse(["finetune", "--lora", "--steps", "3"])[1].lora is True
     assert parse(["finetune", "--no-lora"])[1].lora is False
     assert parse(["finetune"])[1].lora is False
+
+
+@pytest.mark.parametrize("value", ["9" * 310, 10**400, -(10**400), 2**63, "1" * 5000, "1" * 65])
+def test_numbers_beyond_int64_or_too_long_are_refused_in_one_line(value, tmp_path):
+    """Integers over 309 digits raised OverflowError (a float cannot hold them); 5,000 digits hit Python's int limit.
+    The bound: int64, what torch and numpy hold; the text of a number at most 64 characters."""
+    with pytest.raises(ValueError, match="give a number"):
+        parse_number(value)
+    if isinstance(value, str):
+        assert every_door(("linear", "factor"), ("finetune", "lr"), value, tmp_path) == [REFUSED] * 4
+    assert parse_number(2**63 - 1) == 2**63 - 1 and parse_number(str(-(2**63 - 1))) == -(2**63 - 1)

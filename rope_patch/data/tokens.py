@@ -61,9 +61,9 @@ def tokenize_documents(tokenizer, documents: Sequence[Document], *, cache: bool 
     """
     key = f"{tokenizer_fingerprint(tokenizer)}-{documents_fingerprint(documents)}"
     path = cache_dir() / "tokens" / f"{key}.npz"
-    if cache and path.is_file():
-        with np.load(path, allow_pickle=False) as stored:
-            flat, offsets = stored["tokens"], stored["offsets"]
+    cached = read_token_cache(path, len(documents), len(tokenizer)) if cache else None
+    if cached is not None:
+        flat, offsets = cached
         return [TokenizedDocument(d.id, flat[offsets[i]:offsets[i + 1]]) for i, d in enumerate(documents)]
     encoded = tokenizer([d.text for d in documents], add_special_tokens=False, verbose=False)["input_ids"]
     arrays = [np.asarray(ids, dtype=np.int32) for ids in encoded]
@@ -71,9 +71,37 @@ def tokenize_documents(tokenizer, documents: Sequence[Document], *, cache: bool 
         offsets = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(tmp, tokens=np.concatenate(arrays) if arrays else np.zeros(0, np.int32), offsets=offsets)
-        os.replace(tmp, path)
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+        try:
+            np.savez(tmp, tokens=flat, offsets=offsets, digest=np.frombuffer(_digest(flat, offsets), np.uint8))
+            os.replace(tmp, path)
+        except OSError:  # a cache that cannot be written (a full disk, read-only): tokenised again next time
+            tmp.unlink(missing_ok=True)
     return [TokenizedDocument(d.id, a) for d, a in zip(documents, arrays)]
+
+
+def _digest(tokens: np.ndarray, offsets: np.ndarray) -> bytes:
+    return hashlib.sha256(tokens.tobytes() + b"|" + offsets.tobytes()).digest()
+
+
+def read_token_cache(path, documents: int, vocabulary: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A token cache's ``(tokens, offsets)``, or None where it is missing, unreadable or not what was written (a
+    damaged zip, wrong types or shapes, offsets that do not cut the tokens into ``documents`` pieces, ids outside
+    the vocabulary, a digest that does not match: a bit flip in the ids): the documents are then tokenised again
+    and the cache rewritten. Caches written before the digest existed are rewritten once."""
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            flat, offsets, digest = stored["tokens"], stored["offsets"], stored["digest"]
+    except Exception:  # noqa: BLE001 - FileNotFoundError, BadZipFile, KeyError, ValueError, EOFError, zlib...: rebuilt
+        return None
+    if (flat.dtype != np.int32 or flat.ndim != 1 or offsets.dtype != np.int64 or offsets.shape != (documents + 1,)
+            or digest.dtype != np.uint8 or digest.tobytes() != _digest(flat, offsets)):
+        return None
+    if offsets[0] != 0 or offsets[-1] != len(flat) or bool((np.diff(offsets) < 0).any()):
+        return None
+    if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= vocabulary):
+        return None
+    return flat, offsets
 
 
 def resolve_bos(tokenizer, add_bos: bool | None = None) -> int | None:

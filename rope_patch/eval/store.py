@@ -30,8 +30,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DiskFullError
 from ..files import FolderLock, atomic_write, disk_full_error, sync_folder
+from ..hub import cache_dir
 
 REJECTED_SUFFIX = ".rejected"  # results.jsonl.rejected: the lines set aside
 
@@ -96,6 +97,25 @@ def append_bytes(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+RESCUE_FOLDER = "rescued-results"  # under the cache folder: finished results whose store could not be written
+
+
+def rescue(path: Path, line: bytes) -> str:
+    """Keep a finished result whose store cannot be written (its folder vanished, it turned read-only) in the cache
+    folder, and say where and how to use it: a finished result is never lost."""
+    try:
+        folder = cache_dir() / RESCUE_FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        kept = folder / f"{path.parent.name or 'results'}-{os.getpid()}.jsonl"
+        append_bytes(kept, line)
+    except (OSError, DiskFullError) as error:
+        text = line.decode("utf-8").strip()
+        return (f"the finished result could not be kept either ({getattr(error, 'strerror', None) or error}); it "
+                f"was: {text[:2000]}")
+    return (f"the finished result is kept in {kept}: restore the folder, append that file to {path.name} "
+            "(cat KEPT >> results.jsonl) and rerun the same command to resume")
+
+
 class ResultStore:
     """A JSON-lines file of records, indexed by ``key_fields`` so a rerun can skip finished work.
 
@@ -117,6 +137,8 @@ class ResultStore:
             self._lock.acquire()
         self._release = weakref.finalize(self, self._lock.release)
         try:
+            if writer:
+                self._check_writable()
             self._load()
         except BaseException:
             self.close()
@@ -132,11 +154,26 @@ class ResultStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _check_writable(self) -> None:
+        """Refuse, before any work, a results file the run could not append to (a read-only file or file system,
+        no permission): otherwise the first finished result would meet the error."""
+        try:
+            fd = os.open(self.file, os.O_WRONLY | os.O_APPEND)
+        except FileNotFoundError:
+            return  # created with the first result, in the folder the lock has just made
+        except OSError as error:
+            raise ConfigError(f"cannot append to the results file {self.path} ({error.strerror}): fix its "
+                              "permissions (chmod u+w), or choose another --output") from None
+        os.close(fd)
+
     def _load(self) -> None:
         try:
             data = self.file.read_bytes()
         except FileNotFoundError:
             return
+        except OSError as error:
+            raise ConfigError(f"cannot read the results file {self.path} ({error.strerror}): fix its permissions, or "
+                              "choose another --output") from None
         kept: list[bytes] = []
         rejected: list[tuple[int, str, bytes]] = []  # (line number, why, the line)
         lines = [line + b"\n" for line in data.split(b"\n")]
@@ -191,7 +228,14 @@ class ResultStore:
             raise RuntimeError(f"{self.path} is closed: open the store again to append")
         if record in self:
             return
-        append_bytes(self.file, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
+        line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        try:
+            append_bytes(self.file, line)
+        except DiskFullError:
+            raise
+        except OSError as error:  # the folder deleted or moved during the run, the file made read-only, ...
+            raise ConfigError(f"cannot append to the results file {self.path} ({error.strerror}); "
+                              f"{rescue(self.path, line)}") from None
         self._remember(record)
 
     def records(self) -> list[dict]:

@@ -37,6 +37,9 @@ from ..errors import ConfigError, EngineUnsupportedError, MissingExtraError, Nat
 from ..loading import default_gguf_path
 from ..methods import RopeBase, compute_frequencies, default_inv_freq, frequency_and_attention, method_label
 from ..methods import parse_method_spec, resolve_params, yarn_attention_factor
+from ..methods.registry import MAX_POSITION
+from .. import gguf_file
+from ..gguf_file import scan_gguf, tensor_digest, verify_digests, verify_written
 from .engines import GGUF_ARCHITECTURES, LLAMA_CPP_ARCHITECTURES, ServedRope, gguf_carrier, rope_settings, served_rope
 from .engines import serving_settings
 
@@ -98,8 +101,8 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 def embedded_tokenizer_fields(tokenizer) -> list[Any]:
     """The ``tokenizer.*`` fields of the embedded model's GGUF, when ``tokenizer`` has the same vocabulary; else
     EngineUnsupportedError (rope_patch writes no GGUF tokenizer of its own)."""
-    gguf = _gguf()
-    reader = gguf.GGUFReader(default_gguf_path())
+    path = Path(default_gguf_path())
+    reader = _open(path, f"llama.cpp export: the embedded model's tokenizer file {path}")  # checked, as any GGUF
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     ours = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if ours != tokens:
@@ -145,13 +148,14 @@ def write_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, dtype: s
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-    for key, value in plan.keys.items():
-        _add(writer, gguf, f"{arch}.{key}", value)
+    keys = {f"{arch}.{key}": (_add(writer, gguf, f"{arch}.{key}", value), value) for key, value in plan.keys.items()}
+    digests: dict[str, str] = {}  # what each tensor's bytes must be once written
     for f in fields:
         _copy_field(writer, gguf, f)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     for name, tensor in plan.tensors.items():
         writer.add_tensor(name, tensor)
+        digests[name] = tensor_digest(tensor)
     for name, weight in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -166,27 +170,33 @@ def write_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, dtype: s
         array = data.numpy()
         if dtype == "f16" and array.ndim == 2:  # norms stay f32, as the converter keeps 1-D tensors
             array = array.astype(np.float16)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        array = np.ascontiguousarray(array)
+        writer.add_tensor(gguf_name, array)
+        digests[gguf_name] = tensor_digest(array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    verify_digests(path, digests, keys, "llama.cpp export")  # exit 0 never covers a broken file
     return plan
 
 
-def _add(writer, gguf, key: str, value: Any, like=None) -> None:
+def _add(writer, gguf, key: str, value: Any, like=None) -> int:
     """One key: ints as uint32 and floats as float32 (as llama.cpp's converter writes them), or in the type ``like``
-    of the key it replaces when that is a number type of the same kind."""
+    of the key it replaces when that is a number type of the same kind; returns the type written."""
     kind = gguf.GGUFValueType
     ints = (kind.UINT8, kind.INT8, kind.UINT16, kind.INT16, kind.UINT32, kind.INT32, kind.UINT64, kind.INT64)
     if isinstance(value, bool):
         writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_key_value(key, value, like if like in ints else kind.UINT32)
+        return int(kind.BOOL)
+    if isinstance(value, int):
+        chosen = like if like in ints else kind.UINT32
     elif isinstance(value, float):
-        writer.add_key_value(key, value, like if like in (kind.FLOAT32, kind.FLOAT64) else kind.FLOAT32)
+        chosen = like if like in (kind.FLOAT32, kind.FLOAT64) else kind.FLOAT32
     else:
-        writer.add_key_value(key, value, kind.STRING)
+        chosen = kind.STRING
+    writer.add_key_value(key, value, chosen)
+    return int(chosen)
 
 
 def _copy_field(writer, gguf, reader_field) -> None:
@@ -239,15 +249,32 @@ def _fields(reader) -> dict[str, Any]:
     return {name: f for name, f in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def _open(path: Path):
+def _open(path: Path, where: str | None = None):
+    """The ``gguf`` package's reader over ``path``, once ``scan_gguf`` has checked the file's structure against its
+    size (the reader trusts the header); the layout rides along as ``reader.layout``."""
     gguf = _gguf()
+    where = where or f"export --gguf {path}"
     if not path.is_file():
-        raise ConfigError(f"export --gguf {path}: no such file; give the path of a .gguf file")
+        raise ConfigError(f"{where}: no such file; give the path of a .gguf file")
+    layout = scan_gguf(path, where)
     try:
-        return gguf.GGUFReader(path)
-    except Exception as error:  # the reader raises ValueError, struct.error, IndexError... on a file it cannot read
-        raise ConfigError(f"export --gguf {path}: not a GGUF file llama.cpp reads ({type(error).__name__}: "
+        reader = gguf.GGUFReader(path)
+    except Exception as error:  # checked above; kept for what the reader refuses beyond llama.cpp's rules
+        raise ConfigError(f"{where}: not a GGUF file llama.cpp reads ({type(error).__name__}: "
                           f"{error}); give a .gguf file") from None
+    if len(reader.tensors) != len(layout.tensors):
+        raise ConfigError(f"{where}: the gguf package reads {len(reader.tensors)} tensors, the header states "
+                          f"{len(layout.tensors)}; give an undamaged .gguf file")
+    reader.layout = layout
+    return reader
+
+
+# The ranges llama.cpp's keys must fall in for rope_patch to compute with them: whole-number positions are exact in
+# fp32 up to MAX_POSITION (methods/registry.py), and a rotary dimension count sizes the frequency tables.
+MAX_ROTARY_DIM = 2**14
+MAX_BASE = 1e15
+MAX_FACTOR = float(MAX_POSITION)
+SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama.cpp's LLAMA_ROPE_SCALING_TYPES
 
 
 def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None, reader=None) -> GgufSource:
@@ -274,27 +301,59 @@ def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None,
             f"{where}: llama.cpp architecture {arch!r}: rope_patch retags {', '.join(LLAMA_CPP_ARCHITECTURES)} (whose "
             f"RoPE it has read in llama.cpp's source); {_LLAMA_CPP_FLAGS}")
 
-    def value(key: str, default: Any = None) -> Any:
+    def value(key: str, default: Any = None, *, kind: str = "int", low: float = 1, high: float = MAX_POSITION
+              ) -> Any:
+        """``{arch}.key`` as llama.cpp reads it, of the GGUF type ``kind`` ("int": any integer type, "number": an
+        integer or float type, "text": a string) and within [``low``, ``high``], or refused in one line."""
         field_ = fields.get(f"{arch}.{key}")
         if field_ is None:
             return default
+        types = list(field_.types)
+        stored = types[1] if types and types[0] == gguf_file.ARRAY and len(types) > 1 else (types or [None])[0]
+        allowed = {"int": gguf_file.INTEGER_TYPES, "number": gguf_file.INTEGER_TYPES + gguf_file.FLOAT_TYPES,
+                   "text": (gguf_file.STRING,)}[kind]
+        if stored not in allowed:
+            wanted = {"int": "a whole number", "number": "a number", "text": "text"}[kind]
+            raise ConfigError(f"{where}: {arch}.{key} is stored as {gguf_file._type_name(stored)}, not {wanted}; the "
+                              "file is damaged or was not written by llama.cpp's converter")
         got = field_.contents()
         if isinstance(got, list):  # per-layer arrays (head counts): one value for every layer, or refused
-            if len(set(got)) != 1:
+            if not got or len(set(got)) != 1:
                 raise EngineUnsupportedError(f"{where}: {arch}.{key} differs between layers; rope_patch retags "
                                              "files with one value for every layer")
             got = got[0]
+        if kind != "text" and not (math.isfinite(got) and low <= got <= high):
+            raise ConfigError(f"{where}: {arch}.{key} = {got!r} is out of range (from {low:g} to {high:g}); the file "
+                              "is damaged or states an impossible value")
         return got
 
     heads = value("attention.head_count")
-    head_dim = value("attention.key_length") or (value("embedding_length") // heads if heads else None)
-    dim = int(value("rope.dimension_count", head_dim) or 0)
+    embedding = value("embedding_length", high=2**24)
+    head_dim = value("attention.key_length", high=MAX_ROTARY_DIM) or (embedding // heads if heads and embedding
+                                                                        else None)
+    dim = int(value("rope.dimension_count", head_dim, low=0, high=MAX_ROTARY_DIM) or 0)
     if dim <= 0 or dim % 2:
         raise EngineUnsupportedError(f"{where}: no even rotary dimension count ({arch}.rope.dimension_count); "
                                      "not a RoPE model rope_patch can retag")
-    theta = float(value("rope.freq_base", 10000.0))  # llama.cpp's default where the key is absent
-    kind = str(value("rope.scaling.type", "linear"))  # llama.cpp's default type; with no factor it scales nothing
-    factor = float(value("rope.scaling.factor", value("rope.scale_linear", 0.0)) or 0.0)
+    if head_dim and dim > head_dim:
+        raise ConfigError(f"{where}: {arch}.rope.dimension_count = {dim} is more than a head's {head_dim} "
+                          "dimensions; the file is damaged")
+    shapes = {t.name: t.shape for t in reader.layout.tensors} if hasattr(reader, "layout") else {}
+    query = shapes.get("blk.0.attn_q.weight")
+    if query is not None and heads and len(query) == 2 and dim * heads > query[1]:
+        raise ConfigError(f"{where}: {arch}.rope.dimension_count = {dim} rotates more than the query projection's "
+                          f"{query[1]} rows over {heads} heads hold; the file is damaged")
+    for name in ROPE_TENSORS:
+        if name in shapes and shapes[name] != (dim // 2,):
+            raise ConfigError(f"{where}: the tensor {name} has shape {list(shapes[name])}, not [{dim // 2}] (one value "
+                              f"per rotary pair of {dim} dimensions); the file is damaged")
+    theta = float(value("rope.freq_base", 10000.0, kind="number", low=1 + 1e-9, high=MAX_BASE))  # llama.cpp's default
+    kind = str(value("rope.scaling.type", "linear", kind="text"))  # llama.cpp's default; with no factor scales nothing
+    if kind not in SCALING_TYPES:
+        raise ConfigError(f"{where}: {arch}.rope.scaling.type is {kind!r}; llama.cpp knows "
+                          f"{', '.join(SCALING_TYPES)}")
+    factor = float(value("rope.scaling.factor", value("rope.scale_linear", 0.0, kind="number", low=0,
+                                                      high=MAX_FACTOR), kind="number", low=0, high=MAX_FACTOR) or 0.0)
     tensors = {t.name for t in reader.tensors}
     scaling: dict[str, Any] = {}
     if kind != "none" and factor not in (0.0, 1.0):
@@ -302,10 +361,10 @@ def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None,
     elif kind in ("yarn", "longrope"):
         scaling["type"] = kind
     scaling.update({name.split(".")[0]: True for name in ROPE_TENSORS if name in tensors})
-    attn = value("rope.scaling.attn_factor")
+    attn = value("rope.scaling.attn_factor", kind="number", low=1e-6, high=1e6)
     if attn is not None and not math.isclose(float(attn), 1.0, rel_tol=0, abs_tol=1e-7):
         scaling["attn_factor"] = float(attn)
-    stated = value("rope.scaling.original_context_length")
+    stated = value("rope.scaling.original_context_length")  # 1 to MAX_POSITION
     if native_length is None and stated is not None and scaling:
         native_length = int(stated)
     if native_length is None:
@@ -404,17 +463,19 @@ def retag_gguf(retag: GgufRetag, destination: str | os.PathLike) -> GgufRope:
     if "general.alignment" in fields:
         writer.data_alignment = int(fields["general.alignment"].contents())
     new = {f"{arch}.{key}": value for key, value in retag.plan.keys.items()}
+    written: dict[str, tuple[int, Any]] = {}  # what the file must say once written: name → (type, value)
     replaced = {f"{arch}.{key}" for key in REPLACED_KEYS}
     for name, field_ in fields.items():
         if name == "general.architecture":
             continue  # the writer's first key
         if name in replaced:
             if name in new:  # the new value where the old one stood, in the old type when it was a number
-                _add(writer, gguf, name, new.pop(name), like=field_.types[0])
+                value = new.pop(name)
+                written[name] = (_add(writer, gguf, name, value, like=field_.types[0]), value)
             continue
         _copy_field(writer, gguf, field_)
     for name, value in new.items():
-        _add(writer, gguf, name, value)
+        written[name] = (_add(writer, gguf, name, value), value)
     copied = [t for t in reader.tensors if t.name not in ROPE_TENSORS]
     for name, values in retag.plan.tensors.items():  # [dim/2] float32 each
         writer.add_tensor_info(name, values.shape, values.dtype, values.nbytes)
@@ -429,4 +490,8 @@ def retag_gguf(retag: GgufRetag, destination: str | os.PathLike) -> GgufRope:
     for tensor in copied:
         writer.write_tensor_data(tensor.data)
     writer.close()
+    new_tensors = {name: np.ascontiguousarray(values, dtype=np.float32).tobytes()
+                   for name, values in retag.plan.tensors.items()}
+    verify_written(destination, reader.layout, written, new_tensors, ROPE_TENSORS,
+                   f"export --gguf {retag.source.path}")  # exit 0 never covers a broken file
     return retag.plan

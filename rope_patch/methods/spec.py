@@ -31,6 +31,22 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+MAX_SPEC_DEPTH = 8  # brackets inside brackets: a method's values are numbers or one list of them (depth 1)
+
+
+def _check_depth(spec: str) -> None:
+    """Refuse brackets nested deeper than ``MAX_SPEC_DEPTH`` before any recursion reads them (1,200 of them overflowed
+    Python's stack)."""
+    depth = deepest = 0
+    for char in spec:
+        depth += char in "[(" and 1 or (char in "])" and -1 or 0)
+        deepest = max(deepest, depth)
+    if deepest > MAX_SPEC_DEPTH:
+        raise InvalidParameterError(f"method spec {spec[:40]!r}...: brackets nested {deepest} deep (at most "
+                                    f"{MAX_SPEC_DEPTH}); a parameter is a number or one list, e.g. "
+                                    "longrope:long_factor=[1,1.5]")
+
+
 def _split_top_level(text: str) -> list[str]:
     parts, depth, current = [], 0, ""
     for char in text:
@@ -138,6 +154,7 @@ def parse_single_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any
             raise InvalidParameterError(f"method spec {dict(spec)!r} needs a 'name' key naming a method, e.g. "
                                         "{name: yarn, factor: 2}")
     else:
+        _check_depth(str(spec))
         name, _, rest = str(spec).strip().partition(":")
         params = {}
         for item in _split_top_level(rest) if rest.strip() else []:

@@ -27,6 +27,7 @@ from ..errors import ConfigError, DiskFullError, RopePatchError
 from ..files import FolderLock, readable_files, sync_files, sync_folder, write_error, write_problem
 
 MARKER = "checkpoint.json"  # the key, the step and the file sizes: written last, so its presence means complete
+MARKER_LIMIT = 2**20  # bytes: a marker (the run key, the step, a few file sizes) is a few kilobytes
 STEP_FOLDER = re.compile(r"step-(\d+)")
 HIDDEN_PREFIXES = (".tmp-step-", ".old-step-")  # a save in progress, a checkpoint being deleted
 FINAL_TEMPORARY = ".tmp-final"  # OUTPUT/.tmp-final: the final model being written, moved into OUTPUT once whole
@@ -64,13 +65,22 @@ def key_differences(saved: dict[str, Any], now: dict[str, Any]) -> str:
 def read_checkpoint(folder: Path) -> tuple[Checkpoint | None, str]:
     """The checkpoint in ``folder``, or None and why it cannot be resumed (incomplete, damaged)."""
     try:
-        marker = json.loads((folder / MARKER).read_text())
-        step, key, files = int(marker["step"]), dict(marker["key"]), dict(marker["files"])
+        with open(folder / MARKER, "rb") as f:
+            raw = f.read(MARKER_LIMIT + 1)  # bounded: a marker is a few kilobytes
+        if len(raw) > MARKER_LIMIT:
+            raise ValueError(f"larger than {MARKER_LIMIT:,} bytes")
+        marker = json.loads(raw.decode("utf-8"))
+        step, key, files = int(marker["step"]), marker["key"], marker["files"]
+        if not isinstance(key, dict) or not isinstance(files, dict):
+            raise ValueError("its key and file list are not JSON objects")
+        if any(not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(name, str)
+               or name.startswith("/") or ".." in name.split("/") for name, size in files.items()):
+            raise ValueError("its file list is not names inside the folder with sizes in bytes")
     except FileNotFoundError:
         return None, (f"no {MARKER} (its save was interrupted, or an older rope-patch wrote it)"
                       if folder.is_dir() else "no such folder")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        return None, f"unreadable {MARKER} ({error})"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+        return None, f"unreadable {MARKER} ({str(error)[:200]})"
     for name, size in files.items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != size:

@@ -258,3 +258,18 @@ def test_a_spec_file_is_read_with_a_size_limit(tmp_path, source):
     small.write_text(json.dumps({"name": "longrope", "long_factor": [1.5] * 64, "short_factor": [1.0] * 64,
                                  "factor": 4.0}))
     assert parse_method_spec(f"@{small}")[0] == "longrope"
+
+
+@pytest.mark.parametrize("depth", [9, 1200, 100_000])
+def test_deeply_nested_brackets_are_refused_before_recursion(depth):
+    """1,200 nested brackets raised RecursionError; any depth over the limit is one line, and depth 1 (a list of
+    factors) and the limit itself still parse as before."""
+    from rope_patch.methods.spec import MAX_SPEC_DEPTH
+
+    with pytest.raises(errors.InvalidParameterError, match="nested") as refused:
+        parse_method_spec("yarn:factor=" + "[" * depth + "2" + "]" * depth)
+    assert len(str(refused.value).splitlines()) == 1
+    with pytest.raises(errors.InvalidParameterError, match="give a number"):  # the limit itself: parsed, then refused
+        parse_method_spec("yarn:factor=" + "[" * MAX_SPEC_DEPTH + "2" + "]" * MAX_SPEC_DEPTH)
+    assert parse_method_spec("longrope:long_factor=[1,1.5],short_factor=[1,1],original_max_position_embeddings=64"
+                             )[0] == "longrope"
