@@ -203,8 +203,8 @@ def check_model_folder(path: str | os.PathLike) -> None:
     e.g. only ``model_type``: transformers would build the family's default sizes, initialise the weights that do
     not fit at random, minutes later). A hub id passes (the hub checks its own)."""
     folder = Path(path)
-    if not folder.is_dir():
-        return
+    if not folder.is_dir() or (folder / "adapter_config.json").is_file():
+        return  # a hub id, or a LoRA adapter folder (its base model is checked as it loads)
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(f"{str(folder)!r} has no config.json: give the folder save_pretrained wrote (config, "
                                  "weights, tokenizer), or copy the model's config.json into it")
@@ -237,6 +237,8 @@ def _check_config_fits_weights(folder: Path) -> None:
     try:
         with quiet_hub_requests(), contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
             config = AutoConfig.from_pretrained(folder)
+            if getattr(config, "quantization_config", None):
+                return  # quantized weights are stored packed, in shapes of their own
             with init_empty_weights(include_buffers=False):
                 expected = {name: tuple(p.shape) for name, p in
                             AutoModelForCausalLM.from_config(config).state_dict().items()}
