@@ -12,7 +12,10 @@ two runs.
   writer made private (safetensors writes 0600), so that a serving engine running as another user can read them.
 - ``FolderLock``: ``fcntl.flock`` on ``FOLDER/.rope-patch.lock``, held by the writing process for its whole run.
   The kernel drops it when the process dies (``kill -9`` included), so it is never stale. A second writer waits its
-  turn (saying who holds the folder), then skips what the first finished. Readers take no lock.
+  turn (saying who holds the folder), then skips what the first finished. Readers take no lock. The last release
+  removes the lock file (still holding it; a waiter that then gets the removed file sees so and locks the folder's
+  new one), and the folder too where the lock made it and nothing else was written: a refused run leaves nothing
+  behind, and an exported folder ships no lock file.
 """
 
 from __future__ import annotations
@@ -294,7 +297,7 @@ class FolderLock:
     ``wait=False`` it refuses in one line instead (a second fine-tune must not train into a folder in use).
     ``locked`` is False where the file system has no ``flock`` (some network mounts): the job goes on, said once."""
 
-    _held: dict[tuple[int, Path], list[int]] = {}  # (pid, folder) → [file descriptor, holds] in this process
+    _held: dict[tuple[int, Path], list[int]] = {}  # (pid, folder) → [file descriptor, holds, made] in this process
     _guard = threading.Lock()
 
     def __init__(self, folder: str | os.PathLike, *, job: str = "rope-patch", wait: bool = True):
@@ -312,6 +315,7 @@ class FolderLock:
     def acquire(self) -> FolderLock:
         if self.holding:
             return self
+        made = not self.folder.exists()
         folder = make_folder(self.folder).resolve()
         key = self._key = (os.getpid(), folder)
         with self._guard:
@@ -321,14 +325,27 @@ class FolderLock:
                 return self
         fd = self._lock(folder) if fcntl is not None else -1
         with self._guard:
-            self._held[key] = [fd, 1]
+            self._held[key] = [fd, 1, int(made)]
         self.holding = True
         return self
 
     def _lock(self, folder: Path) -> int:
+        """A descriptor holding the flock of ``folder``'s lock file, the one at its path now: a file its last holder
+        removed while this process waited on it is let go, and the path's new file locked instead."""
+        while True:
+            fd = self._lock_file(folder)
+            if fd < 0 or _same_file(fd, folder / LOCK_NAME):
+                return fd
+            os.close(fd)
+            make_folder(folder)  # the last holder removed the folder it had made
+
+    def _lock_file(self, folder: Path) -> int:
         path = folder / LOCK_NAME
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the folder's last holder removed it, the folder it had made, just now
+                fd = os.open(make_folder(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
             raise disk_full_error(error, path, 4096) or ConfigError(
                 f"cannot open {path} to lock the output folder: {error.strerror}") from None
@@ -374,13 +391,14 @@ class FolderLock:
                 return
             del self._held[key]
         if held[0] >= 0:
+            _remove_lock_file(held[0], key[1], made=bool(held[2]))
             os.close(held[0])  # closing the descriptor drops the flock
 
     @classmethod
     def _forget_parents(cls) -> None:
         """In a forked child: close the parent's lock descriptors, so the parent's folders are let go when the parent
         lets go (a flock lives as long as any copy of its descriptor)."""
-        for fd, _ in cls._held.values():
+        for fd, *_ in cls._held.values():
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -391,6 +409,26 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        mine, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _remove_lock_file(fd: int, folder: Path, *, made: bool) -> None:
+    """Remove the lock file this process holds (``fd``, still locked) where it is still the folder's, then the folder
+    itself where the lock made it and it holds nothing else. A failure leaves them: the next run takes the file as is."""
+    path = folder / LOCK_NAME
+    if not _same_file(fd, path):
+        return
+    with contextlib.suppress(OSError):
+        path.unlink()
+        if made:
+            folder.rmdir()  # refused when the run wrote anything
 
 
 @contextlib.contextmanager

@@ -54,6 +54,60 @@ def check_model_name(name: str | os.PathLike) -> None:
                              f"config.json) or a hub id such as {HUB_ID_EXAMPLE}")
 
 
+HUB_CONNECT_TIMEOUT = 4.0  # seconds to open a connection to the hub before a hub id is refused
+
+
+def check_hub_reachable(name: str | os.PathLike) -> None:
+    """Refuse within seconds a hub id that must be downloaded where the hub cannot be reached, in one line saying how
+    to work offline; the libraries' own lookup would retry for a minute, then print a traceback. A model already in
+    the hub's local cache passes (transformers reads it there), as does an existing path."""
+    text = os.fspath(name)
+    if os.path.exists(text):
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(text, "config.json"), str):
+            return
+    except Exception:  # noqa: BLE001  a name the cache cannot hold (not a valid repo id): the lookup below says so
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    if constants.HF_HUB_OFFLINE or (offline or "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        raise ModelNotFoundError(f"model {text!r} is neither a folder here nor in the hub's local cache, and "
+                                 "HF_HUB_OFFLINE is set: give a local model folder, or download it first where "
+                                 "there is network (without HF_HUB_OFFLINE)")
+    endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+    problem = _unreachable(endpoint, HUB_CONNECT_TIMEOUT)
+    if problem:
+        raise ModelNotFoundError(f"model {text!r} is not a folder here and the hub ({endpoint}) cannot be reached "
+                                 f"({problem}): give a local model folder, or download it where there is network and "
+                                 "run with HF_HUB_OFFLINE=1 to use the local cache only")
+
+
+def _unreachable(endpoint: str, timeout: float) -> str | None:
+    """Why a TCP connection to ``endpoint``'s host cannot be opened within ``timeout`` seconds (name lookup
+    included, which has no timeout of its own: it runs in a thread that is left behind), or None."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint)
+    host, port = parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as error:
+            outcome.append(error.strerror or type(error).__name__)
+
+    worker = threading.Thread(target=connect, daemon=True)
+    worker.start()
+    worker.join(timeout + 1)
+    return outcome[0] if outcome else f"no answer within {timeout:g} s"
+
+
 @contextlib.contextmanager
 def errors_only(logging: ModuleType) -> Iterator[None]:
     """Only errors from a Hugging Face library's logger (huggingface_hub and transformers share this API) in a block."""

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
-from .hub import cache_dir, check_model_name, progress_bars, quiet_hub_requests
+from .hub import cache_dir, check_hub_reachable, check_model_name, progress_bars, quiet_hub_requests
 from .files import read_small_text
 from .gguf_file import scan_gguf
 from .patching import restore_saved_patch, set_native_length
@@ -104,11 +104,27 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_attention(device: str | torch.device) -> str:
-    """FlashAttention 2 on a GPU when the package is installed, PyTorch SDPA otherwise."""
+def default_attention(device: str | torch.device) -> str | None:
+    """FlashAttention 2 on a GPU when the package is installed; otherwise None: the family's own choice, as plain
+    ``from_pretrained`` makes it (SDPA where the family supports it, eager where not: Gemma 2, GPT-OSS, ...). The
+    attention-level methods need no particular kernel: they install their own attention function on the model."""
     if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return "sdpa"
+    return None
+
+
+class AttentionRefusedError(ConfigError):
+    """The model's family does not support the attention implementation asked for."""
+
+
+def _attention_refusal(error: Exception, path: str | os.PathLike, implementation: str | None) -> AttentionRefusedError | None:
+    """transformers' refusal of an attention implementation as one line naming the fix, or None for another error."""
+    text = str(error)
+    if not implementation or "does not support" not in text or "ttention" not in text:
+        return None
+    family = text.split(" does not support", 1)[0].split()[-1]
+    return AttentionRefusedError(f"{family} ({str(path)!r}) does not support attn_implementation={implementation!r}; "
+                                 "leave --attn-implementation out (the family picks what it supports) or name eager")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,7 +204,78 @@ def model_path(name_or_path: str | os.PathLike | None) -> str | Path:
     if name_or_path in (None, "", "default"):
         return default_model_dir()
     check_model_name(name_or_path)  # before any hub lookup, which would retry for half a minute
+    check_hub_reachable(name_or_path)
     return name_or_path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A model folder as people have it: checked before anything loads, each problem one line naming the fix.
+
+
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_model_folder(path: str | os.PathLike) -> None:
+    """Refuse a local model folder that cannot load as the model it holds: no config.json, a sharded checkpoint whose
+    index names a shard that is absent, or a config.json that does not describe the weights (a partial config,
+    e.g. only ``model_type``: transformers would build the family's default sizes, initialise the weights that do
+    not fit at random, minutes later). A hub id passes (the hub checks its own)."""
+    folder = Path(path)
+    if not folder.is_dir() or (folder / "adapter_config.json").is_file():
+        return  # a hub id, or a LoRA adapter folder (its base model is checked as it loads)
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"{str(folder)!r} has no config.json: give the folder save_pretrained wrote (config, "
+                                 "weights, tokenizer), or copy the model's config.json into it")
+    for index in WEIGHT_INDEXES:
+        if (folder / index).is_file():
+            _check_shards(folder / index)
+    _check_config_fits_weights(folder)
+
+
+def _check_shards(index: Path) -> None:
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ModelNotFoundError(f"{index} is not a shard index (a JSON object with a weight_map): copy it again from "
+                                 "the model's source") from None
+    missing = [shard for shard in shards if not (index.parent / shard).is_file()]
+    if missing:
+        raise ModelNotFoundError(f"{index.parent}: {index.name} names {len(shards)} weight files and "
+                                 f"{len(missing)} are missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+                                 "copy the missing shards into the folder (or download the model again)")
+
+
+def _check_config_fits_weights(folder: Path) -> None:
+    """Every safetensors weight whose name the model has must have the shape the config gives it."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return  # no safetensors weights: transformers' own message (missing, or another format) follows
+    try:
+        with quiet_hub_requests(), contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+            config = AutoConfig.from_pretrained(folder)
+            if getattr(config, "quantization_config", None):
+                return  # quantized weights are stored packed, in shapes of their own
+            with init_empty_weights(include_buffers=False):
+                expected = {name: tuple(p.shape) for name, p in
+                            AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except Exception:  # noqa: BLE001  a config transformers cannot build: its own load reports it
+        return
+    for file in files:
+        try:
+            with safe_open(str(file), "pt") as weights:
+                for name in weights.keys():
+                    if name in expected and tuple(weights.get_slice(name).get_shape()) != expected[name]:
+                        shape = tuple(weights.get_slice(name).get_shape())
+                        raise ConfigError(
+                            f"{folder / 'config.json'} does not describe the weights: {name} is {list(shape)} in "
+                            f"{file.name}, the config gives {list(expected[name])}; put the model's full config.json "
+                            "in the folder (the one saved with these weights)")
+        except RopePatchError:
+            raise
+        except Exception:  # noqa: BLE001  an unreadable file: transformers' load reports it
+            return
 
 
 def model_label(name_or_path: str | os.PathLike | None) -> str:
@@ -272,10 +359,18 @@ def load_model(
 
         config_class = getattr(transformers, "DistributedConfig", None)
         kwargs |= {"distributed_config": config_class(tp_plan=tp_plan)} if config_class else {"tp_plan": tp_plan}
+    check_model_folder(path)
+    tokenizer = load_tokenizer(path, progress=progress)
     try:
         with quiet_hub_requests(), progress_bars(progress):
-            tokenizer = AutoTokenizer.from_pretrained(path)
             model = _placed(path, device_map, kwargs)
+    except ValueError as error:
+        if isinstance(error, RopePatchError):
+            raise
+        refusal = _attention_refusal(error, path, attn_implementation) or _no_causal_lm(error, path)
+        if refusal is None:
+            raise
+        raise refusal from None
     except OSError as error:
         raise ModelNotFoundError(
             f"cannot load model {str(path)!r}: {str(error).splitlines()[0]} "
@@ -287,12 +382,44 @@ def load_model(
     return model, tokenizer
 
 
+TOKENIZER_FIX = ("copy the tokenizer files of the model it was trained from into the folder (tokenizer.json, "
+                 "tokenizer_config.json, ...: what tokenizer.save_pretrained(folder) writes)")
+
+
+def load_tokenizer(path: str | os.PathLike, *, progress: bool = True) -> Any:
+    """The model's tokenizer, or one line naming the fix for missing or broken tokenizer files."""
+    try:
+        with quiet_hub_requests(), progress_bars(progress):
+            return AutoTokenizer.from_pretrained(path)
+    except RopePatchError:
+        raise
+    except Exception as error:  # noqa: BLE001  transformers and tokenizers raise ValueError, OSError, Exception, ...
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if first.startswith("Couldn't instantiate the backend tokenizer"):  # no file it can read
+            first = "no tokenizer file it can read (tokenizer.json, tokenizer.model, vocab.json, ...)"
+        raise ModelNotFoundError(f"cannot load the tokenizer of {str(path)!r}: {first[:200]}; "
+                                 f"{TOKENIZER_FIX}") from None
+
+
+def _no_causal_lm(error: ValueError, path: str | os.PathLike) -> UnsupportedModelError | None:
+    """transformers' "Unrecognized configuration class" (a config with no causal LM, e.g. a multimodal model's text
+    part saved alone) as one line, or None for another error."""
+    text = str(error)
+    if "Unrecognized configuration class" not in text:
+        return None
+    config = text.split("<class '", 1)[-1].split("'>", 1)[0].rsplit(".", 1)[-1]
+    return UnsupportedModelError(f"{str(path)!r}: transformers has no causal language model for its config "
+                                 f"({config}); give the folder of a causal LM (its config.json's model_type is one "
+                                 "AutoModelForCausalLM loads)")
+
+
 def _placed(path: str | os.PathLike, device_map: DeviceMap | None, kwargs: dict[str, Any]) -> torch.nn.Module:
     """``from_pretrained``, with a device map transformers or accelerate cannot follow refused in one line."""
     try:
         return from_pretrained(path, **kwargs)
     except (ValueError, KeyError, RuntimeError) as error:  # an unknown device, a map naming no module, ...
-        if device_map is None or isinstance(error, RopePatchError):
+        refused_attention = _attention_refusal(error, path, kwargs.get("attn_implementation"))
+        if device_map is None or isinstance(error, RopePatchError) or refused_attention is not None:
             raise
         raise ConfigError(f"cannot place {str(path)!r} with --device-map: {str(error).splitlines()[0]}") from None
 

@@ -28,12 +28,22 @@ HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The model body (to its last hidden state, final norm included) and the output head."""
     head = model.get_output_embeddings()
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None,
+                  getattr(model, "base_model", None), getattr(model, "model", None)]
+    decoder = next((c for c in candidates if _is_decoder(c, model, head)), None)
     if head is None or decoder is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} exposes no decoder and output head (get_decoder / get_output_embeddings)"
         )
     return decoder, head
+
+
+def _is_decoder(module: nn.Module | None, model: nn.Module, head: nn.Module | None) -> bool:
+    """Whether ``module`` is the body under the head: a module of its own with the token embeddings. transformers'
+    ``get_decoder`` answers the model itself where ``base_model_prefix`` names no child (Llama 4's text model), and a
+    child called ``decoder`` where there is one (ModernBERT's decoder names its output head so)."""
+    return (isinstance(module, nn.Module) and module is not model and module is not head
+            and callable(getattr(module, "get_input_embeddings", None)))
 
 
 def logit_softcap(model: nn.Module) -> float | None:

@@ -69,6 +69,7 @@ class Oracle:
     model = None
     positions: torch.Tensor | None = None  # [L] the sequence's positions; None: 0..L-1 of each forward
     captured: tuple | None = None
+    layers: set[int] | None = None  # the layers the method is on (None: every layer)
 
     pending: list = []  # single-tensor rotations (Gemma 4: q and k rotated by two calls): the tensors seen so far
 
@@ -111,6 +112,8 @@ class Oracle:
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
         captured = Oracle.captured  # kept for the layer's every call (DiffLlama attends twice)
+        if Oracle.layers is not None and module.layer_idx not in Oracle.layers:
+            captured = None  # a layer the method is not on: q and k as the family rotated them, plain attention
         n, groups = query.shape[2], query.shape[1] // key.shape[1]
         if captured is None:
             scores = query @ key.repeat_interleave(groups, 1).transpose(-1, -2)
@@ -143,12 +146,16 @@ AttentionMaskInterface.register(ORACLE, sdpa_mask)
 
 
 def oracle_logits(model, ids: torch.Tensor, name: str, params: dict,
-                  positions: torch.Tensor | None = None) -> torch.Tensor:
+                  positions: torch.Tensor | None = None, layers: set[int] | None = None) -> torch.Tensor:
     """The model's logits for ``ids`` (one sequence, positions 0..L-1 or ``positions`` [L]) under method ``name`` as the
-    oracle computes it."""
+    oracle computes it, on the attention layers ``layers`` only (None: every layer)."""
     extra = {} if positions is None else {"position_ids": positions[None], "attention_mask": torch.ones_like(ids)}
-    with oracle_attention(model, name, params, positions), torch.no_grad():
-        return model(ids, **extra).logits
+    Oracle.layers = layers
+    try:
+        with oracle_attention(model, name, params, positions), torch.no_grad():
+            return model(ids, **extra).logits
+    finally:
+        Oracle.layers = None
 
 
 @contextlib.contextmanager

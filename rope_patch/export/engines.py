@@ -124,13 +124,18 @@ def served_rope(model: nn.Module) -> ServedRope:
     return ServedRope(method, resolved, base, method_label(method, given), None, nested, True, model_type)
 
 
+def _rope_parameters(model: nn.Module) -> dict:
+    """The rope_parameters of the config the rotary module reads (a multimodal model's text config: Gemma 3's)."""
+    return getattr(primary_rotary(model)[1].config, "rope_parameters", None) or {}
+
+
 def _config_spells(model: nn.Module, method: str, base: RopeBase, params: dict) -> bool:
     """Whether the patched config holds the method in transformers' terms (Phi-3's config class accepts only
     default and longrope: its patches live in the rope_patch record alone)."""
     spec = get_method(method)
     if spec.rope_parameters is None:
         return False
-    written = {k: v for k, v in (model.config.rope_parameters or {}).items() if k != "partial_rotary_factor"}
+    written = {k: v for k, v in _rope_parameters(model).items() if k != "partial_rotary_factor"}
     return written == spec.rope_parameters(base, params)
 
 
@@ -268,7 +273,7 @@ def serving_settings(model: nn.Module, engine: str, *, longrope_short_equals_lon
     rope = served_rope(model)
     if rope.attention and rope.attention.split(":")[0] == "dca":
         return _dual_chunk_settings(model, engine, rope, folder)
-    partial = (model.config.rope_parameters or {}).get("partial_rotary_factor")
+    partial = _rope_parameters(model).get("partial_rotary_factor")
     return rope_settings(rope, engine, longrope_short_equals_long=longrope_short_equals_long,
                          folder=folder, partial_rotary_factor=partial)
 
@@ -299,7 +304,7 @@ def _dual_chunk_settings(model: nn.Module, engine: str, rope: ServedRope, folder
     """vLLM's ``dual_chunk_attention_config`` for a model patched with ``dca`` alone, or one line saying why not."""
     name, given = frequency_and_attention(rope.label)[1]
     params = resolve_params(name, rope.base, given)
-    own = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
+    own = _rope_parameters(model).get("rope_type", "default")
     reason = None
     if engine != "vllm":
         reason = f"{ENGINE_NAMES[engine]} is given Dual Chunk Attention by rope_patch for vLLM only"
@@ -316,7 +321,7 @@ def _dual_chunk_settings(model: nn.Module, engine: str, rope: ServedRope, folder
     if reason is not None:
         raise EngineUnsupportedError(f"{ENGINE_NAMES[engine]} cannot serve {rope.label} exactly: {reason}")
     parameters = {"rope_type": "default", "rope_theta": rope.base.rope_theta}
-    partial = (model.config.rope_parameters or {}).get("partial_rotary_factor")
+    partial = _rope_parameters(model).get("partial_rotary_factor")
     if partial is not None:
         parameters["partial_rotary_factor"] = partial
     dual_chunk = {"chunk_size": params["chunk"], "local_size": params["local"]}  # no original_max_position_embeddings:

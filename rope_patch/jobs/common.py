@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..kernels import kernels_applied, preferred_attention
-from ..loading import default_attention, load_model, model_label
+from ..loading import AttentionRefusedError, default_attention, load_model, model_label
 from ..patching import input_device, native_length, set_layer_types, set_native_length
 from ..patching.flex import attention_kernel, attention_path
 
@@ -62,13 +62,20 @@ def load_for_job(name: str | None, *, dtype: str, attn_implementation: str | Non
                  device: str | torch.device | None = None, native_length: int | None = None,
                  device_map: str | None = None, offload_folder: str | None = None,
                  tp_plan: str | None = None, progress: bool = True) -> LoadedModel:
-    """Load the model a job names (the embedded default for None), with SDPA or FlashAttention 2 by default;
-    ``progress=False`` hides the libraries' bars while it loads (transformers' "Loading weights", the hub's)."""
+    """Load the model a job names (the embedded default for None) with the attention implementation it names, else
+    FlashAttention 2 on a GPU where installed and the family supports it, else the family's own choice (SDPA where it
+    supports it, eager where not); ``progress=False`` hides the libraries' bars while it loads (transformers'
+    "Loading weights", the hub's)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(name, dtype=dtype, device=device, native_length=native_length,
-                                  attn_implementation=attn_implementation or default_attention(device),
-                                  device_map=device_map, offload_folder=offload_folder, tp_plan=tp_plan,
-                                  progress=progress)
+    options = dict(dtype=dtype, device=device, native_length=native_length, device_map=device_map,
+                   offload_folder=offload_folder, tp_plan=tp_plan, progress=progress)
+    preferred = attn_implementation or default_attention(device)
+    try:
+        model, tokenizer = load_model(name, attn_implementation=preferred, **options)
+    except AttentionRefusedError:
+        if attn_implementation is not None or preferred is None:
+            raise  # the user's own choice: refused in one line
+        model, tokenizer = load_model(name, attn_implementation=None, **options)  # FlashAttention 2 not for this family
     return LoadedModel(model, tokenizer, model_label(name))
 
 

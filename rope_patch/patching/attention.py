@@ -62,6 +62,14 @@ class AttentionSetup:
     hooks: list[Any] = field(default_factory=list)
     attn_snapshots: list[tuple[Any, Any]] = field(default_factory=list)  # (config, previous _attn_implementation)
     attention_modules: list[nn.Module] = field(default_factory=list)
+    chosen_types: list[str | None] = field(default_factory=lambda: [None])  # the layer types the method is on
+
+    def applies_to(self, module: nn.Module) -> bool:
+        """Whether the method is on this layer: every layer of a model with one RoPE, else the chosen layer types
+        (``layer_types``, as frequency methods read it); the other layers attend as the family does."""
+        if None in self.chosen_types or self.layer_types is None or "inv_freq" in self.rotary._buffers:
+            return True
+        return self.layer_types[module.layer_idx] in self.chosen_types
 
     def inv_freq(self, module: nn.Module) -> torch.Tensor:
         """The current fp32 frequencies of the layer ``module`` belongs to (Gemma 3: its layer type's set)."""
@@ -166,7 +174,7 @@ def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if layout is None:
         raise UnsupportedModelError(f"layer {module.layer_idx}: its rotation was not measured when the attention "
                                     "method was installed (the model had no weights then); patch the loaded model again")
-    if layout == "none":  # a NoPE layer: the family attends without positions, and so do we
+    if layout == "none" or not setup.applies_to(module):  # NoPE, or a layer type not chosen: as the family attends
         if attention_mask is None and softcap is None:
             key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
         return plain_attention(query, key, value, attention_mask, scale, softcap), None
@@ -211,15 +219,15 @@ def measure_layouts(model: nn.Module) -> dict[int, str]:
 
 
 def install_attention(model: nn.Module, method: str, params: dict[str, Any], label: str,
-                      layouts: dict[int, str]) -> AttentionSetup:
+                      layouts: dict[int, str], chosen_types: list[str | None] | None = None) -> AttentionSetup:
     """Point every attention module of ``model`` at the banded attention of ``method`` (validated params), rotating
-    each layer in ``layouts``."""
+    each layer in ``layouts``; on per-layer-type RoPE, the layers of ``chosen_types`` only (None: every layer)."""
     bands = attention_bands(method, params)
     _, rotary = find_rotary_modules(model)[0]
     modules = attention_modules(model)
     setup = AttentionSetup(label, bands, rotary,
                            getattr(rotary.config, "layer_types", None), layouts=dict(layouts),
-                           attention_modules=modules)
+                           attention_modules=modules, chosen_types=list(chosen_types or [None]))
 
     def record_positions(_module, args, kwargs):
         positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)

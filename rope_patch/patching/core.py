@@ -184,16 +184,22 @@ def set_layer_types(model: nn.Module, layer_types: str | list[str] | None) -> No
     if layer_types is None:
         model.__dict__.pop(LAYER_TYPES_ATTR, None)
         return
+    setattr(model, LAYER_TYPES_ATTR, checked_layer_types(model, find_rotary_modules(model), layer_types))
+
+
+def checked_layer_types(model: nn.Module, modules: list[tuple[str, nn.Module]],
+                        layer_types: str | list[str]) -> str | list[str]:
+    """The one rule for a choice of layer types, ``set_layer_types``' and ``patch``'s: refused on a model with one
+    RoPE for every layer (there is nothing to choose), and a type the model lacks refused naming those it has."""
     chosen = [layer_types] if isinstance(layer_types, str) else list(layer_types)
     chosen = chosen[0] if chosen in (["all"], ["global"]) else chosen
-    modules = find_rotary_modules(model)
     if all("inv_freq" in module._buffers for _, module in modules):
         raise InvalidParameterError(f"layer types {layer_types!r}: {type(model).__name__} has one RoPE for every "
                                     "layer; leave the layer types out")
     for _, module in modules:
         if "inv_freq" not in module._buffers:
             select_layer_types(module, chosen)  # refuses a type the model lacks, naming those it has
-    setattr(model, LAYER_TYPES_ATTR, chosen)
+    return chosen
 
 
 def native_length_source(model: nn.Module) -> NativeLength:
@@ -245,6 +251,8 @@ def patch(model: nn.Module, method: str, *, layer_types: str | list[str] | None 
     RopePatchError line.
     """
     modules = find_rotary_modules(model)
+    if layer_types is not None:
+        layer_types = checked_layer_types(model, modules, layer_types)
     layer_types = declared_layer_types(model) if layer_types is None else layer_types
     with transaction(model, f"patch({method!r})", [m for _, m in modules]) as step:
         return _patch(model, method, layer_types, native_length, params, modules, step)
@@ -295,11 +303,11 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
     if attention is not None:
         step("installing the attention method")
         state.attention = install_attention(model, attention[0], attention_params, method_label(*attention),
-                                             layouts)
+                                             layouts, select_layer_types(first_module, layer_types))
         report = _attention_report(model, report, primary, attention[0], attention_params)
     report.label, report.native_source = state.label, native[1]
     state.context_length = report.context_length
-    layer_list = [t.layer_type for t in plan]
+    layer_list = [t.layer_type for t in plan] or (state.attention.chosen_types if state.attention else [])
     step("recording the patch in the config")
     for config, snapshot in state.config_snapshots.values():  # the record: rope_patch.from_pretrained re-applies it
         record = patch_record(snapshot, method, params, state.label, layer_list if any(layer_list) else None,
@@ -470,7 +478,7 @@ def current_patch(model: nn.Module) -> dict[str, Any] | None:
     state = patch_state(model)
     if state is None:
         return None
-    layer_types = [t.layer_type for t in state.targets]
+    layer_types = [t.layer_type for t in state.targets] or (state.attention.chosen_types if state.attention else [])
     return {
         "method": state.method,
         "params": dict(state.given),

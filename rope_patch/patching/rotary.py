@@ -173,7 +173,9 @@ def restore_module(snapshot: ModuleSnapshot) -> None:
     module, buffers, attrs, forward = snapshot
     for name, value in buffers.items():
         current = module._buffers.get(name)
-        module._buffers[name] = value.clone().to(current.device if current is not None else value.device)
+        # where the model was cast since (model.to(torch.bfloat16)), the buffer as that cast makes it from the original
+        dtype = current.dtype if current is not None and current.is_floating_point() else value.dtype
+        module._buffers[name] = value.clone().to(current.device if current is not None else value.device, dtype)
     for name, value in attrs.items():
         setattr(module, name, copy.copy(value))
     if forward is MISSING:

@@ -131,6 +131,9 @@ def reference_logits(model, ids: torch.Tensor, name: str, params: dict, position
         model.config._attn_implementation = previous
 
 
+PER_LAYER_TYPE = {"gemma3_text"}  # families with a RoPE per layer type: the methods go on the global layers unless told
+
+
 def family_model(family: str):
     return build_model(family_config(family))
 
@@ -141,9 +144,10 @@ def test_every_family_matches_the_two_band_reference(family):
     ids = torch.randint(3, 120, (1, 90), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = model(ids).logits
+    every_layer = {"layer_types": "all"} if family in PER_LAYER_TYPE else {}  # the reference is on every layer
     for name, params in METHODS.items():
         expected = reference_logits(model, ids, name, params)
-        with rope_patch.patched(model, name, **params), torch.no_grad():
+        with rope_patch.patched(model, name, **params, **every_layer), torch.no_grad():
             actual = model(ids).logits
         assert torch.allclose(actual, expected, atol=1e-5, rtol=0), (family, name, (actual - expected).abs().max())
         assert (actual - plain).abs().max() > 1e-4, (family, name)  # the method does change the model
@@ -369,9 +373,10 @@ def test_sliding_window_layers_in_a_padded_batch_match_each_unpadded_row(family)
     padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), ids[:, :74]], 1)
     mask = torch.cat([torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 74, dtype=torch.long)], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    every_layer = {"layer_types": "all"} if family in PER_LAYER_TYPE else {}  # the reference is on every layer
     for name, params in METHODS.items():
         expected = reference_logits(model, ids, name, params)
-        with rope_patch.patched(model, name, **params), torch.no_grad():
+        with rope_patch.patched(model, name, **params, **every_layer), torch.no_grad():
             batch = model(torch.cat([padded, ids]), attention_mask=torch.cat([mask, torch.ones_like(mask)]),
                           position_ids=torch.cat([positions, torch.arange(80)[None]])).logits
         assert torch.allclose(batch[1], expected[0], atol=1e-5, rtol=0), name

@@ -24,6 +24,7 @@ from attention_oracle import oracle_logits
 
 import rope_patch
 from rope_patch.errors import RopePatchError
+from rope_patch.patching import find_rotary_modules
 
 METHODS = [
     ("self_extend", {"group": 3, "window": 10}),
@@ -48,9 +49,11 @@ def test_every_attention_method_is_exact_or_refused(model_type):
     before = fingerprint(model)
     scale = max(1.0, plain.abs().max().item())
     changed = []  # per accepted method: whether it moved the logits well past the oracle's error
+    per_layer_type = any("inv_freq" not in m._buffers for _, m in find_rotary_modules(model))
+    every_layer = {"layer_types": "all"} if per_layer_type else {}  # the oracle is on every layer
     for name, params in METHODS:
         try:
-            rope_patch.patch(model, name, **params)
+            rope_patch.patch(model, name, **params, **every_layer)
         except RopePatchError as error:
             assert "\n" not in str(error) and str(error), (model_type, name)
             assert rope_patch.current_patch(model) is None and model.config._attn_implementation == implementation

@@ -73,8 +73,9 @@ class SweepConfig(JobConfig):
                                             "the model as it was loaded, with the scaling a rope_patch checkpoint "
                                             "carries", repeat=True, split=False, metavar="SPEC", spec=True)
     dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_CHOICES)
-    attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: sdpa, or "
-                                                   "flash_attention_2 on a GPU where installed)")
+    attn_implementation: str | None = option(None, "attention kernel passed to transformers (default: "
+                                                   "flash_attention_2 on a GPU where installed and supported, else "
+                                                   "the family's own choice: sdpa, or eager where it has no sdpa)")
     kernels: str | None = option(None, KERNELS_HELP, choices=KERNELS)
     attention_kernel: str = option("auto", ATTENTION_KERNEL_HELP, choices=ATTENTION_KERNELS)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
