@@ -56,3 +56,13 @@ def test_the_search_keeps_every_pair_beyond_it_at_the_full_scale_or_more():
         assert np.all(f[20:] >= 2.0 - 1e-9) and np.all(np.diff(f) >= 0) and f.min() >= 1 and f.max() <= 3
     free = evolve(start, fitness, upper=3.0, settings=settings, seed=0)  # without the floor some pair goes below
     assert any(np.asarray(c.factors)[20:].min() < 2.0 for c in free.scored)
+
+
+def test_inspect_states_it_and_it_matches_the_pairs_turning_less_than_once():
+    from rope_patch.rotary_info import RotaryInfo, format_report, frequency_table
+
+    info = RotaryInfo("m", "r", 64, 64, "half", 100000.0, 8192, "default", None)
+    rows, _ = frequency_table(info)
+    text = format_report(info, rows)
+    assert "d_tcd = 2·ceil((d/2)·log_b(L/2π)) = 40, pairs 20 on" in text
+    assert sum(r["turns"] < 1 for r in rows) == 32 - 20
