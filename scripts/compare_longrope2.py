@@ -46,7 +46,8 @@ def needle_spec(output: Path) -> str:
 
 
 def finetuned(output: Path) -> Path:
-    return output / "finetune-mixed" / "final"
+    """The fine-tune's output folder: the final model is saved there (config.json once finished)."""
+    return output / "finetune-mixed"
 
 
 def rows(output: Path) -> list[tuple[str, str, Path | None]]:
@@ -111,11 +112,17 @@ def run_search(args) -> None:
 
 
 def run_finetune(args) -> None:
-    from rope_patch.jobs.finetune import run_finetune as finetune_job
+    """The needle-searched factors with attention factor 1 (transformers' longrope applies it at every length, so the
+    mixed window refuses any other), short sequences of 8,192 tokens with the original RoPE for half the
+    micro-batches, long ones of 16,384 for the rest; _pydecimal.py kept out of training."""
+    from rope_patch.jobs.finetune import finetune
 
-    print(finetune_job(method=needle_spec(args.output), mixed_window=True,
-                       seq_len=TARGET, steps=args.finetune_steps, dtype="fp32",
-                       output=str(args.output / "finetune-mixed"), progress=args.progress), flush=True)
+    spec = json.loads(Path(needle_spec(args.output)[1:]).read_text()) | {"attention_factor": 1.0}
+    mixed = args.output / "mixed_method.json"
+    mixed.write_text(json.dumps(spec, indent=1) + "\n")
+    print(finetune(method=f"@{mixed}", mixed_window=True, short_share=0.5, seq_len=TARGET,
+                   steps=args.finetune_steps, exclude_documents=["_pydecimal.py"], dtype="fp32",
+                   output=str(args.output / "finetune-mixed"), progress=args.progress), flush=True)
 
 
 def measured(output: Path) -> list[dict]:
@@ -134,7 +141,7 @@ def measured(output: Path) -> list[dict]:
     table = []
     for name, spec, model in rows(output):
         row = {"method": name, "spec": spec, "model": str(model) if model else "embedded"}
-        present = spec == "as-loaded" and model is not None and model.is_dir() or (
+        present = spec == "as-loaded" and model is not None and (model / "config.json").is_file() or (
             spec.startswith("@") and Path(spec[1:]).is_file()) or not spec.startswith("@") and spec != "as-loaded"
         cells = []
         if present:
@@ -198,7 +205,7 @@ def main() -> int:
                                                        else [])
             run_passkey(specs, args)
         if stage in ("all", "finetune") and Path(needle_spec(out)[1:]).is_file():
-            if not finetuned(out).is_dir():
+            if not (finetuned(out) / "config.json").is_file():
                 run_finetune(args)
             run_eval(["as-loaded"], args, model=finetuned(out))
             run_passkey(["as-loaded"], args, model=finetuned(out))
