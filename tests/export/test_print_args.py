@@ -90,3 +90,37 @@ def test_the_export_readme_shows_the_same_override(tiny_folder, tmp_path):
     printed = run_export(engine="llama.cpp", method="yarn:factor=2", model=str(folder), print_args=True)
     config = ExportConfig(engine="llama.cpp", method="yarn:factor=2", model=str(folder), output=str(tmp_path / "l"))
     assert printed.command in readme(config, printed.settings, "yarn:factor=2", "tiny", None)
+
+
+def sglang_reads(folder, overrides: dict):
+    """SGLang 0.5.23's reading of --json-model-override-args (sglang/srt/utils/hf_transformers/config.py,
+    ``get_config``), written out here: each key set on the loaded config, a dict-valued ``rope_parameters`` merged
+    into the config's own ({**current, **value}, sglang#41227); and its derived context length
+    (``common.get_context_length``: max_position_embeddings × rope factor, the factor 1 when the dict has
+    original_max_position_embeddings or is llama3)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if key in ("rope_scaling", "rope_parameters") and isinstance(value, dict) and isinstance(current, dict):
+            setattr(config, key, {**current, **value})
+        else:
+            setattr(config, key, value)
+    rope = getattr(config, "rope_scaling", None) or {}
+    factor = 1 if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3" \
+        else rope.get("factor", 1)
+    return config, int(factor * config.max_position_embeddings)
+
+
+@pytest.mark.parametrize("spec", ["yarn:factor=3", "linear:factor=2", "ntk:factor=4", "llama3:factor=2"])
+def test_sglangs_reading_of_the_json_gives_the_patched_model_within_its_context(tiny_folder, spec):
+    folder, _ = tiny_folder
+    printed = run_export(engine="sglang", method=spec, model=str(folder), print_args=True)
+    config, derived = sglang_reads(folder, json.loads(json.dumps(printed.settings.overrides)))
+    assert printed.settings.max_model_len <= derived  # --context-length within what SGLang derives: no warning
+    served = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    name, params = rope_patch.parse_method_spec(spec)
+    with torch.no_grad(), rope_patch.patched(reference, name, **params):
+        assert torch.allclose(served(input_ids=PROBE).logits, reference(input_ids=PROBE).logits, atol=1e-5)
