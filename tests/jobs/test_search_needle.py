@@ -90,3 +90,22 @@ def test_the_critical_dimension_can_be_turned_on_for_perplexity_and_off_for_need
     assert on.settings["critical_pair"] == 2 and "critical dimension" in str(on)
     off = run_search(**common, objective="needle", critical_dimension="off")
     assert "critical_pair" not in off.settings
+
+
+def test_a_rerun_resumes_and_the_objectives_never_share_a_score(workspace, tmp_path):
+    import json
+
+    common = dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), target_length=TARGET,
+                  dtype="fp32", documents=1, heldout_documents=0, candidates=2, population=2, parents=2, mutations=1,
+                  crossovers=0, output=str(tmp_path / "run"), progress=False)
+    first = run_search(**common, objective="needle")
+    again = run_search(**common, objective="needle")
+    assert [c.fitness for c in again.trace.scored] == [c.fitness for c in first.trace.scored]
+    lines = (tmp_path / "run" / "candidates.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # the rerun scored nothing again
+    plain = run_search(**common, critical_dimension="on")  # the same candidates, scored by perplexity
+    assert [c.factors for c in plain.trace.scored] == [c.factors for c in first.trace.scored]
+    assert [c.fitness for c in plain.trace.scored] != [c.fitness for c in first.trace.scored]
+    setups = [json.loads(line)["setup"].get("objective") for line in
+              (tmp_path / "run" / "candidates.jsonl").read_text().splitlines()]
+    assert setups == ["needle", "needle", None, None]
