@@ -19,6 +19,7 @@ from torch import nn
 from .errors import UnsupportedModelError
 from .methods import RopeBase, compute_frequencies, frequency_and_attention, get_method, method_label, resolve_params
 from .methods.attention import far_relative_position
+from .methods.critical import critical_dimension, critical_pair
 from .patching import (current_patch, measure_layouts, native_length_source, primary_rotary, rotary_setup,
                        saved_patch)
 from .patching.families import rotating_pairs
@@ -178,6 +179,12 @@ def format_report(info: RotaryInfo, rows: list[dict], method: str | None = None,
     below = sum(r["turns"] < 1 for r in rows)
     lines.append(f"{below} of {len(rows)} pairs turn less than once in the native window: "
                  "they never saw all angles in training, and are the ones that break past it.")
+    base = RopeBase(info.rope_theta, info.rotary_dim, info.native_length)
+    if info.rope_theta > 1:
+        pair = critical_pair(base)
+        lines.append(f"critical dimension (LongRoPE2): d_tcd = 2·ceil((d/2)·log_b(L/2π)) = {critical_dimension(base)}, "
+                     f"pairs {pair} on (period beyond L); search --critical-dimension keeps their factors at least "
+                     "target / native")
     if positions:
         lines += format_positions(method_label(method, params), positions)
     return "\n".join(lines)

@@ -54,6 +54,7 @@ from rope_patch.data.tokens import tokenize_documents  # noqa: E402
 from rope_patch.eval.plots import file_stem  # noqa: E402
 from rope_patch.eval.vllm_engine import FP32_WORST_TOLERANCE, compare_logprobs, reference_logprobs  # noqa: E402
 from rope_patch.export import serving_settings  # noqa: E402
+from rope_patch.export.engines import print_args_settings  # noqa: E402
 from rope_patch.export.gguf import write_gguf  # noqa: E402
 from rope_patch.loading import default_model_dir  # noqa: E402
 from rope_patch.patching.rotary import find_rotary_modules  # noqa: E402
@@ -140,8 +141,10 @@ def vllm_logprobs(model, tokenizer, ids: list[int], work: Path, *, vllm_python: 
                                          longrope_short_equals_long=True)
         folder, overrides = str(exported.folder), {}
     else:
-        settings = serving_settings(model, "vllm", longrope_short_equals_long=True)
-        folder, overrides = str(default_model_dir()), settings.overrides
+        # what `export --engine vllm --print-args` prints (its --hf-overrides JSON), read back from the printed flags
+        settings = print_args_settings(model, "vllm", longrope_short_equals_long=True)
+        args = settings.original_args
+        folder, overrides = str(default_model_dir()), json.loads(args[args.index("--hf-overrides") + 1])
     job, result = work / "vllm_job.json", work / "vllm_result.json"
     result.unlink(missing_ok=True)
     write_json(job, {"folder": folder, "overrides": overrides, "ids": ids, "max_model_len": len(ids) + 16,
@@ -169,10 +172,22 @@ def vllm_engine_side(job_file: Path) -> None:
 
 ENGINE_LOGPROBS: dict[str, Callable] = {"llama.cpp": llama_cpp_logprobs, "vllm": vllm_logprobs}
 
-# --engine llama.cpp-retag: llama.cpp's own run-time overrides for each method retagged into the embedded Q4_1 file
-# (llama.h: LLAMA_ROPE_SCALING_TYPE_LINEAR = 1, _YARN = 2), and the methods with no override, checked on f32 files.
-RETAG_OVERRIDES = {"yarn:factor=2": {"rope_scaling_type": 2, "rope_freq_scale": 0.5, "yarn_orig_ctx": 8192},
-                   "linear:factor=2": {"rope_scaling_type": 1, "rope_freq_scale": 0.5}}
+# --engine llama.cpp-retag: the methods retagged into the embedded Q4_1 file and checked against the untouched file
+# under llama.cpp's own run-time overrides, as `export --engine llama.cpp --print-args` prints them (the same function,
+# export.engines.llama_cpp_overrides; llama.h: LLAMA_ROPE_SCALING_TYPE_NONE = 0, _LINEAR = 1, _YARN = 2), and the
+# methods with no override (the file must carry them), checked on f32 files.
+RETAG_FLAG_SPECS = ["yarn:factor=2", "linear:factor=2", "ntk:factor=2"]
+
+
+def printed_overrides(model, spec: str) -> dict:
+    """llama-cpp-python's keywords of the flags ``export --print-args`` prints for ``spec`` on the unmodified file."""
+    from rope_patch.export.engines import print_args_settings
+
+    name, params = rope_patch.parse_method_spec(spec)
+    with rope_patch.patched(model, name, **params):
+        return print_args_settings(model, "llama.cpp").llama_cpp_overrides
+
+
 RETAG_F32 = ["llama3:factor=2", "ntk_by_parts:factor=2", "@configs/search/smollm2_16k_best.json"]
 
 
@@ -213,9 +228,10 @@ def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, su
               f"{row['perplexity_retagged']:.5f} against {row['perplexity_reference']:.5f}"
               f"{'' if within else ' -> OVER TOLERANCE'}", flush=True)
 
-    for spec, overrides in RETAG_OVERRIDES.items():
+    for spec in RETAG_FLAG_SPECS:
         if only and spec not in only:
             continue
+        overrides = printed_overrides(model, spec)
         start = time.perf_counter()
         retag_gguf(plan_retag(default_gguf_path(), spec), work / "retag.gguf")
         retagged = gguf_logprobs(work / "retag.gguf", ids)

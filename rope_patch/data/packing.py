@@ -107,3 +107,38 @@ class PackedSequences:
         """The (batch_size, seq_len) int64 input ids that process ``rank`` trains on at this micro-step."""
         rows = [self.sequence(p) for p in self.positions(step, micro, rank, ranks, batch_size, grad_accum)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+class MixedSequences:
+    """LongRoPE2's mixed context window: one stream of micro-batches, each of ``short`` sequences (up to the native
+    length: trained with the original RoPE) with probability ``short_share``, else of ``long`` ones (the method's
+    RoPE). Which kind a micro-batch is depends on the seed and its index in the run only (a pure function of the step,
+    as ``PackedSequences`` is), and each kind reads its own sequences at the run positions of the micro-batch."""
+
+    def __init__(self, long: PackedSequences, short: PackedSequences, *, short_share: float, seed: int = 0):
+        self.long, self.short, self.short_share, self.seed = long, short, float(short_share), seed
+        self.seq_len = long.seq_len
+
+    def __len__(self) -> int:
+        return len(self.long)
+
+    def is_short(self, step: int, micro: int, rank: int, ranks: int, grad_accum: int) -> bool:
+        """Whether micro-batch (step, micro, rank) holds short sequences: a draw seeded by the seed and its index."""
+        index = (step * grad_accum + micro) * ranks + rank
+        return bool(np.random.default_rng([self.seed, 0x6D1C, index]).random() < self.short_share)
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(f"mixed {self.short_share!r}".encode())
+        digest.update(f"{self.long.fingerprint()} {self.short.fingerprint()}".encode())
+        return digest.hexdigest()[:16]
+
+    def describe(self) -> str:
+        return (f"mixed window: {100 * self.short_share:g}% of micro-batches of {self.short.seq_len:,} tokens "
+                f"(original RoPE), the rest of {self.long.seq_len:,} (the method's); {self.long.describe()}")
+
+    positions = staticmethod(PackedSequences.positions)
+
+    def batch(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
+        """(batch_size, short or long seq_len) int64 input ids of one process's micro-batch."""
+        data = self.short if self.is_short(step, micro, rank, ranks, grad_accum) else self.long
+        return data.batch(step, micro, rank, ranks, batch_size, grad_accum)

@@ -21,6 +21,7 @@ from torch import nn
 from ..data import TokenizedDocument
 from ..errors import RopePatchError
 from ..patching import patched
+from .needle import NeedleDocument, answer_nll, answer_perplexity
 from .perplexity import evaluate
 from .perplexity_report import REFERENCE, ratio_to_reference
 from .windows import Protocol, perplexity
@@ -40,12 +41,15 @@ def longrope_spec(long_factor: Sequence[float], *, factor: float, native_length:
 
 class CandidateScorer:
     """fitness(factors) = token-weighted perplexity of ``documents`` at ``target`` tokens with ``longrope`` (long
-    factors = the candidate), read from ``store`` when this candidate was scored before under the same ``setup``."""
+    factors = the candidate), read from ``store`` when this candidate was scored before under the same ``setup``.
+    With ``needles`` (LongRoPE2's objective, ``rope_patch.eval.needle``), the perplexity of their answer tokens
+    instead."""
 
     def __init__(self, model: nn.Module, documents: Sequence[TokenizedDocument], target: int, protocol: Protocol, *,
                  factor: float, native_length: int, store: ResultStore | None, setup: Mapping[str, Any],
-                 loss_chunk: int = 1024):
+                 loss_chunk: int = 1024, needles: Sequence[NeedleDocument] | None = None):
         self.model, self.documents, self.target, self.protocol = model, documents, int(target), protocol
+        self.needles = needles
         self.factor, self.native_length, self.loss_chunk = float(factor), int(native_length), loss_chunk
         self.store, self.setup = store, dict(setup)
         self.known = store.by_key() if store is not None else {}
@@ -64,6 +68,8 @@ class CandidateScorer:
         stored = self.record(factors)
         if stored is not None:
             return float(stored["perplexity"])
+        if self.needles is not None:
+            return self._needle_fitness(factors)
         records, failures = evaluate(self.model, self.documents, [self.spec(factors)], [self.target], self.protocol,
                                      loss_chunk=self.loss_chunk, progress=False)
         if failures or len(records) != len(self.documents):
@@ -73,6 +79,19 @@ class CandidateScorer:
         nll, tokens = sum(r["nll"] for r in records), sum(r["tokens"] for r in records)
         record = {"setup": self.setup, "long_factor": factors, "perplexity": perplexity(nll, tokens), "nll": nll,
                   "tokens": tokens, "documents": {r["document"]: [r["nll"], r["tokens"]] for r in records}}
+        if self.store is not None:
+            self.store.append(record)
+        self.known[record_key(record, CANDIDATE_FIELDS)] = record
+        self.computed += 1
+        return float(record["perplexity"])
+
+    def _needle_fitness(self, factors: list[float]) -> float:
+        spec = self.spec(factors)
+        with patched(self.model, spec["name"], **{k: v for k, v in spec.items() if k != "name"}):
+            scores = answer_nll(self.model, self.needles, loss_chunk=self.loss_chunk)
+        record = {"setup": self.setup, "long_factor": factors, "perplexity": answer_perplexity(scores),
+                  "nll": sum(s for s, _ in scores), "tokens": sum(n for _, n in scores),
+                  "documents": {n.id: list(score) for n, score in zip(self.needles, scores)}}
         if self.store is not None:
             self.store.append(record)
         self.known[record_key(record, CANDIDATE_FIELDS)] = record

@@ -31,7 +31,7 @@ import json
 import math
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -39,7 +39,7 @@ from torch import nn
 from ..choices import SERVING_ENGINES
 from ..errors import EngineUnsupportedError
 from ..methods import RopeBase, available_methods, frequency_and_attention, get_method, method_label, resolve_params
-from ..methods import yarn_attention_factor
+from ..methods import ntk_theta, yarn_attention_factor
 from ..patching import patch_state, primary_rotary, rotary_setup
 
 ENGINES = SERVING_ENGINES
@@ -261,6 +261,9 @@ class ServingSettings:
     overrides: dict  # vLLM: --hf-overrides; SGLang: --json-model-override-args; else {}
     serve_command: str  # the exact command line serving the exported folder
     config_keys: dict = field(default_factory=dict)  # keys the exported config.json carries beyond the model's own
+    original_args: list[str] | None = None  # the engine's arguments serving the unmodified model the same way
+    original_refusal: str | None = None  # why there are none (llama.cpp: a method the file must carry)
+    llama_cpp_overrides: dict = field(default_factory=dict)  # llama-cpp-python's Llama() keywords of original_args
 
 
 def serving_settings(model: nn.Module, engine: str, *, longrope_short_equals_long: bool = False,
@@ -292,7 +295,81 @@ def rope_settings(rope: ServedRope, engine: str, *, longrope_short_equals_long: 
     length = rope.context_length()
     overrides = {"rope_parameters": parameters, "max_position_embeddings": length} \
         if engine in ("vllm", "sglang") else {}
-    return ServingSettings(engine, parameters, length, overrides, serve_command(engine, folder, length))
+    original, refusal, llama = original_arguments(engine, rope, overrides, length)
+    return ServingSettings(engine, parameters, length, overrides, serve_command(engine, folder, length),
+                           original_args=original, original_refusal=refusal, llama_cpp_overrides=llama)
+
+
+LLAMA_ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # llama.h: LLAMA_ROPE_SCALING_TYPE_NONE, _LINEAR, _YARN
+
+
+def llama_cpp_overrides(rope: ServedRope) -> dict[str, Any]:
+    """llama.cpp's run-time RoPE settings for ``rope`` on the unmodified file, as llama-cpp-python's ``Llama()``
+    keywords (the command line's flags are these, ``original_arguments``); EngineUnsupportedError for a method the
+    file itself must carry (per-pair factors: rope_freqs or LongRoPE's lists)."""
+    carrier = gguf_carrier(rope)
+    if carrier != "keys":
+        raise EngineUnsupportedError(
+            f"llama.cpp cannot take {rope.label} as command-line flags: {rope.method} needs "
+            f"{CARRIER_TENSORS[carrier]} in the GGUF file; export it (rope-patch export --engine llama.cpp, or "
+            "--gguf FILE to retag the original file)")
+    p = rope.params
+    if rope.method == "linear":
+        return {"rope_scaling_type": LLAMA_ROPE_SCALING["linear"], "rope_freq_scale": 1 / p["factor"]}
+    if rope.method == "yarn":
+        return {"rope_scaling_type": LLAMA_ROPE_SCALING["yarn"], "rope_freq_scale": 1 / p["factor"],
+                "yarn_orig_ctx": int(p["original_max_position_embeddings"])}
+    if rope.method in ("ntk", "base"):
+        theta = ntk_theta(rope.base.rope_theta, p["factor"], rope.base.dim) if rope.method == "ntk" \
+            else p["rope_theta"]
+        return {"rope_scaling_type": LLAMA_ROPE_SCALING["none"], "rope_freq_base": float(theta)}
+    return {"rope_scaling_type": LLAMA_ROPE_SCALING["none"]}
+
+
+def original_arguments(engine: str, rope: ServedRope, overrides: dict, length: int
+                       ) -> tuple[list[str] | None, str | None, dict]:
+    """The engine's arguments serving the unmodified model with ``rope``, the context included: vLLM's
+    ``--hf-overrides JSON --max-model-len N``, SGLang's ``--json-model-override-args JSON --context-length N``,
+    llama.cpp's ``--rope-scaling``, ``--rope-scale``, ``--yarn-orig-ctx``, ``--rope-freq-base`` and ``--ctx-size N``
+    (a context left at the trained size caps the window: llama.cpp#17459); with why there are none, and
+    llama.cpp's keywords for llama-cpp-python. transformers has none: its config is the model's."""
+    text = json.dumps(overrides)
+    if engine == "vllm":
+        return ["--hf-overrides", text, "--max-model-len", str(length)], None, {}
+    if engine == "sglang":
+        return ["--json-model-override-args", text, "--context-length", str(length)], None, {}
+    if engine != "llama.cpp":
+        return None, "transformers reads the scaling from config.json only: export the folder", {}
+    try:
+        kwargs = llama_cpp_overrides(rope)
+    except EngineUnsupportedError as error:
+        return None, str(error), {}
+    names = {v: k for k, v in LLAMA_ROPE_SCALING.items()}
+    flags = ["--rope-scaling", names[kwargs["rope_scaling_type"]]]
+    if "rope_freq_scale" in kwargs:
+        flags += ["--rope-scale", f"{1 / kwargs['rope_freq_scale']:.17g}"]
+    if "yarn_orig_ctx" in kwargs:
+        flags += ["--yarn-orig-ctx", str(kwargs["yarn_orig_ctx"])]
+    if "rope_freq_base" in kwargs:
+        flags += ["--rope-freq-base", f"{kwargs['rope_freq_base']:.17g}"]
+    return flags + ["--ctx-size", str(length)], None, kwargs
+
+
+def print_args_settings(model: nn.Module, engine: str, *, longrope_short_equals_long: bool = False
+                        ) -> ServingSettings:
+    """``export --print-args``: the settings of the model as patched now for serving the unmodified checkpoint; for
+    llama.cpp, any architecture its own converter wrote (the flags touch no tensor), refused in one line for a method
+    the file must carry."""
+    if engine == "llama.cpp":
+        rope = served_rope(model)
+        arch = rope.gguf_architecture or GGUF_ARCHITECTURES.get(rope.model_type, "the original GGUF's")
+        settings = rope_settings(replace(rope, gguf_architecture=arch), engine,
+                                 longrope_short_equals_long=longrope_short_equals_long)
+    else:
+        settings = serving_settings(model, engine, longrope_short_equals_long=longrope_short_equals_long)
+    if settings.original_args is None:
+        raise EngineUnsupportedError(settings.original_refusal or f"{ENGINE_NAMES[engine]}: no load-time override")
+    return settings
 
 
 VLLM_DCA_FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe")  # model_types whose vLLM model passes it to get_rope
@@ -351,14 +428,16 @@ def serve_command(engine: str, folder: str, length: int) -> str:
 
 
 def override_command(engine: str, model: str, settings: ServingSettings) -> str | None:
-    """The same serving from the original model with the engine's load-time overrides (vLLM, SGLang), or None."""
-    text = shlex.quote(json.dumps(settings.overrides))
+    """The same serving from the original model with the engine's load-time overrides (``settings.original_args``:
+    vLLM, SGLang, llama.cpp's flags on the original GGUF), or None."""
+    if settings.original_args is None:
+        return None
+    args = " ".join(shlex.quote(a) for a in settings.original_args)
     if engine == "vllm":
-        return f"vllm serve {shlex.quote(model)} --hf-overrides {text} --max-model-len {settings.max_model_len}"
+        return f"vllm serve {shlex.quote(model)} {args}"
     if engine == "sglang":
-        return (f"python -m sglang.launch_server --model-path {shlex.quote(model)} --json-model-override-args {text} "
-                f"--context-length {settings.max_model_len}")
-    return None
+        return f"python -m sglang.launch_server --model-path {shlex.quote(model)} {args}"
+    return f"llama-server -m {shlex.quote(model)} {args}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,11 +16,12 @@ from typing import Any
 from ..errors import DiskFullError
 from ..eval.sweep import AS_LOADED
 from ..export import served_rope, serving_settings
-from ..export.engines import ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command, rope_settings
+from ..export.engines import (ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command,
+                              print_args_settings, rope_settings)
 from ..export.gguf import GgufRetag, GgufRope, check_same_rope, plan_retag, retag_gguf, write_gguf
 from ..files import (LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_files, sync_folder,
                      write_problem)
-from ..loading import model_path
+from ..loading import load_structure, model_path
 from ..methods import parse_method_spec
 from ..patching import patch
 from .common import load_for_job, split_loaded
@@ -52,6 +53,8 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     config.check_required()
     if config.gguf is not None:
         return _run_retag(config, loaded)
+    if config.print_args:
+        return _print_args(config, loaded)
     if loaded is None:
         loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
                               native_length=config.native_length, progress=config.progress)
@@ -67,6 +70,40 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     settings = serving_settings(model, config.engine, longrope_short_equals_long=config.longrope_short_equals_long,
                                 folder=str(folder))  # refuses before anything is written
     return _write(config, model, tokenizer, folder, settings, rope.label, loaded.label)
+
+
+@dataclass
+class PrintedArgs:
+    """``export --print-args``: the engine's arguments serving the unmodified model with the method; nothing written."""
+
+    settings: ServingSettings
+    label: str
+    model: str
+
+    @property
+    def command(self) -> str:
+        return override_command(self.settings.engine, self.model, self.settings)
+
+    def __str__(self) -> str:
+        engine = ENGINE_NAMES[self.settings.engine]
+        lines = [f"# {engine} serving the unmodified {self.model} with {self.label}, context "
+                 f"{self.settings.max_model_len} tokens:", self.command]
+        if self.settings.overrides:
+            lines += ["# the override alone:", json.dumps(self.settings.overrides)]
+        return "\n".join(lines)
+
+
+def _print_args(config: ExportConfig, loaded) -> PrintedArgs:
+    """The model read without weights (its config and RoPE buffers), patched, its engine's arguments; refused in
+    one line as export refuses, before anything else."""
+    model = loaded.model if loaded is not None else load_structure(config.model, native_length=config.native_length)
+    if config.method != AS_LOADED:
+        name, params = parse_method_spec(config.method)
+        patch(model, name, native_length=config.native_length, **params)
+    settings = print_args_settings(model, config.engine,
+                                   longrope_short_equals_long=config.longrope_short_equals_long)
+    where = "ORIGINAL.gguf" if config.engine == "llama.cpp" else str(model_path(config.model))
+    return PrintedArgs(settings, served_rope(model).label, where)
 
 
 def _run_retag(config: ExportConfig, loaded) -> ExportResult:
@@ -191,7 +228,8 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
              f"Written by `rope-patch export --engine {settings.engine}{retagged} --method '{config.method}'`. "
              f"The RoPE settings below make {engine} compute what rope_patch's patched model computes.", "",
              "Serve it:", "", "```bash", settings.serve_command, "```", ""]
-    alternative = override_command(settings.engine, str(model_path(config.model)), settings)
+    original = (config.gguf or "ORIGINAL.gguf") if settings.engine == "llama.cpp" else str(model_path(config.model))
+    alternative = override_command(settings.engine, original, settings)
     if alternative:
         lines += ["Or serve the original model with the same settings given at load time:", "", "```bash",
                   alternative, "```", ""]

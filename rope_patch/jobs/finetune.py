@@ -20,14 +20,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
-from ..data import PackedSequences
+from ..data import MixedSequences, PackedSequences
 from ..data.documents import check_source
 from ..data.heldout import write_training_manifest
-from ..errors import RopePatchError
+from ..errors import ConfigError, InvalidParameterError, RopePatchError
 from ..kernels import apply_kernels, head_loss_for, preferred_attention, remove_kernels
 from ..loading import load_model
 from ..methods import method_label, parse_method_spec
-from ..patching import patch, set_layer_types
+from ..methods.mixed import mixed_window_params
+from ..patching import patch, primary_rotary, rotary_setup, set_layer_types
 from ..patching.attention import check_attention_dropout
 from ..patching.flex import attention_kernel
 from ..eval.sweep import model_fingerprint
@@ -102,6 +103,21 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         raise TrainingInterrupted(None, config.steps, None, config.resume) from interrupt
 
 
+def mixed_window(model: torch.nn.Module, config: FinetuneConfig, name: str, params: dict) -> tuple[str, dict, int]:
+    """``--mixed-window``: the method as ``longrope`` (short factors 1, long factors its per-pair rescale, attention
+    factor 1: ``methods.mixed``), and the short sequences' length; refused in one line where it cannot be exact."""
+    base = rotary_setup(model, *primary_rotary(model)[1:], config.native_length)
+    short_len = config.short_len or base.native_length
+    if short_len > base.native_length or config.seq_len <= base.native_length:
+        raise ConfigError(f"--mixed-window: short sequences must fit the native length {base.native_length:,} "
+                          f"(--short-len {short_len:,}) and --seq-len ({config.seq_len:,}) exceed it, so the first "
+                          "train with the original RoPE and the second with the method's")
+    try:
+        return "longrope", mixed_window_params(name, base, params), short_len
+    except InvalidParameterError as error:
+        raise ConfigError(f"--method {config.method}: {error}") from None
+
+
 def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopRequest) -> FinetuneResult:
     output = Path(config.output)
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
@@ -122,6 +138,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     name, params = parse_method_spec(config.method)
     if config.layer_types is not None:
         set_layer_types(model, config.layer_types)  # checked before any work, kept by the saved patch's record
+    if config.mixed_window:
+        name, params, short_len = mixed_window(model, config, name, params)
     report = patch(model, name, native_length=config.native_length, **params)
     check_attention_dropout(model)  # before any work: an attention method applies no attention dropout
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
@@ -132,8 +150,15 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                                            num_documents=config.documents, exclude=config.exclude_documents,
                                            split=config.split, text_field=config.text_field, subset=config.subset,
                                            hold_out=True)  # the corpus's test part is never trained on
+        if config.mixed_window:
+            short = PackedSequences.from_source(config.dataset, tokenizer, seq_len=short_len, seed=config.seed,
+                                                num_documents=config.documents, exclude=config.exclude_documents,
+                                                split=config.split, text_field=config.text_field, subset=config.subset,
+                                                hold_out=True)
+            data = MixedSequences(data, short, short_share=config.short_share, seed=config.seed)
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
     key |= {"layer_types": config.layer_types} if config.layer_types else {}  # older runs' keys stay as they were
+    key |= {"mixed_window": [config.short_share, short_len]} if config.mixed_window else {}
     key |= {"method": method_label(name, params),  # an @FILE spec by its content
             "model": original_model, "data": data.fingerprint(),
             "global_batch": config.batch_size * config.grad_accum * layout.replicas,

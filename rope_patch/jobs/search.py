@@ -36,6 +36,8 @@ from ..data.heldout import leave_out_training
 from ..files import atomic_write, output_folder
 from ..eval.store import open_store
 from ..eval.sweep import model_setup
+from ..eval.needle import build_needle_documents
+from ..methods.critical import critical_pair, factor_floor
 from ..methods.frequency import rope_longrope
 from ..methods.evolution import Scored, SearchTrace, evolve, method_factors, yarn_factors
 from ..patching import input_device, native_length, primary_rotary, rotary_setup
@@ -47,6 +49,7 @@ from .configs.eval import BOS_CHOICES
 from .configs.search import SearchConfig
 
 JOB = "rope-patch search"
+FITNESS = {"perplexity": "perplexity", "needle": "answer perplexity (needle documents)"}
 COMPARED = ("linear", "ntk", "yarn", "ntk_by_parts")  # the hand-tuned methods of the held-out table
 
 
@@ -67,7 +70,10 @@ class SearchResult:
         s, t = self.settings, self.trace
         text = (f"longrope search, {s['model']} ({s['dtype']}), native length {s['native_length']:,}, target "
                 f"{s['target_length']:,} (factor {s['factor']:g}): {len(t.scored)} candidates ({t.stopped}), best "
-                f"held-in perplexity {self.best.fitness:.3f}\nlong_factor {list(self.best.factors)}")
+                f"held-in {FITNESS[s['objective']]} {self.best.fitness:.3f}\nlong_factor {list(self.best.factors)}")
+        if "critical_pair" in s:
+            text += (f"\ncritical dimension: pairs {s['critical_pair']} on (period beyond the native length) kept at "
+                     f"factors of at least {s['factor']:g}")
         if "short_cost" in s:
             text += f"\n{s['short_cost']['statement']}"
         if self.table:
@@ -141,11 +147,25 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                 "native_length": native_length(model), "target_length": config.target_length, "factor": factor,
                 "heldin": [d.id for d in heldin], "heldout": [d.id for d in heldout], "bos": protocol.bos,
                 "evolution": asdict(config.evolution()), "candidates": config.candidates, "seed": config.seed,
-                "output": config.output}
+                "output": config.output, "objective": config.objective}
+    floor = None
+    if config.uses_critical_dimension:
+        floor = factor_floor(base, factor)
+        settings["critical_pair"] = critical_pair(base)
+        if floor[-1] > 1 + factor:
+            raise ConfigError(f"--critical-dimension: factors of at least {factor:g} exceed the search's upper bound")
     # a candidate's key: what the job's settings and the model itself (its fingerprint, dtype and the attention
     # implementation it runs with, not the option asked for) contribute, as in every other evaluation's key
     setup = {**config.setup(loaded, data=documents_fingerprint(corpus), documents=settings["heldin"],
                             target=config.target_length, factor=factor, bos=protocol.bos), **model_setup(model)}
+    if config.objective != "perplexity":  # LongRoPE's own search keeps its earlier key: stores written before resume
+        setup["objective"] = config.objective
+    if floor is not None:
+        setup["critical_pair"] = settings["critical_pair"]
+    needles = None
+    if config.objective == "needle":
+        needles = build_needle_documents(loaded.tokenizer, heldin, config.target_length, seed=config.seed,
+                                         bos_id=protocol.bos_id)
     out = Path(config.output) if config.output is not None else None
     if out is not None:
         config.to_yaml(out / "search_config.yaml")
@@ -153,7 +173,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     store = stack.enter_context(open_store(out / "candidates.jsonl" if out is not None else None, CANDIDATE_FIELDS,
                                            job=JOB))
     scorer = CandidateScorer(model, heldin, config.target_length, protocol, factor=factor, native_length=native,
-                             store=store, setup=setup, loss_chunk=config.loss_chunk)
+                             store=store, setup=setup, loss_chunk=config.loss_chunk, needles=needles)
     evolution = config.evolution()
     budget = min(config.candidates or evolution.candidates, evolution.candidates)
     compared = 2 + len(config.method or COMPARED)
@@ -168,6 +188,8 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         bar.update()
 
     start = yarn_factors(base, factor)
+    if floor is not None:  # YaRN's ramp ends at the same pair (β_slow = 1 turn in L), so this changes only rounding
+        start = np.maximum(start, floor)
     with fast_path(model, config.kernels, config.attention_kernel), CONTROL.stoppable(model):
         if config.max_short_cost is not None:
             short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
@@ -175,7 +197,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
             settings["short_cost"] = check_short_cost(model, heldin, base, start, factor, native, protocol, config,
                                                       store=short_store, setup=setup)
         trace = evolve(start, scorer, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
-                       on_scored=scored)
+                       on_scored=scored, lower=floor)
         bar.close()
         spec = longrope_spec(trace.best.factors, factor=factor, native_length=native)
         methods = {"searched": spec, "yarn start (longrope)": longrope_spec(start, factor=factor, native_length=native)}
@@ -188,6 +210,8 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                                    setup={**setup, "documents": None}, loss_chunk=config.loss_chunk,
                                    progress=config.progress)
     heldin_scores = {"searched": trace.best.fitness, "yarn start (longrope)": trace.scored[0].fitness}
+    if config.objective != "perplexity":  # the held-in column is perplexity: a needle score is no number for it
+        heldin_scores = {}
     for row in rows:
         row["heldout_perplexity"] = row.pop("perplexity")
         row["heldin_perplexity"] = heldin_scores.get(row["method"])

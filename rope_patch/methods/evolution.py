@@ -110,17 +110,20 @@ def yarn_factors(base: RopeBase, factor: float, *, beta_fast: float = 32.0, beta
     return np.round(ratio.numpy(), DECIMALS)
 
 
-def is_valid(factors: np.ndarray, upper: float) -> bool:
-    """Monotone non-decreasing from pair 0 (highest frequency) to the last, and within [1, upper]."""
-    return bool(np.all(np.diff(factors) >= 0) and factors[0] >= 1 and factors[-1] <= upper + 10 ** -DECIMALS)
+def is_valid(factors: np.ndarray, upper: float, lower: np.ndarray | None = None) -> bool:
+    """Monotone non-decreasing from pair 0 (highest frequency) to the last, within [1, upper], and at least
+    ``lower`` pair by pair where given (LongRoPE2's critical dimension, ``methods.critical.factor_floor``)."""
+    floor_ok = lower is None or bool(np.all(factors >= np.asarray(lower) - 10 ** -DECIMALS))
+    return bool(np.all(np.diff(factors) >= 0) and factors[0] >= 1 and factors[-1] <= upper + 10 ** -DECIMALS
+                and floor_ok)
 
 
 def _key(factors: np.ndarray) -> tuple[float, ...]:
     return tuple(np.round(factors, DECIMALS).tolist())
 
 
-def mutate(factors: np.ndarray, upper: float, rng: np.random.Generator, seen: set, settings: Evolution
-           ) -> np.ndarray | None:
+def mutate(factors: np.ndarray, upper: float, rng: np.random.Generator, seen: set, settings: Evolution,
+           lower: np.ndarray | None = None) -> np.ndarray | None:
     """A new candidate: rounds of per-pair resampling between the neighbours (on the grid) until it was never seen;
     None when ``MUTATION_ROUNDS`` rounds find nothing new."""
     child = factors.copy()
@@ -130,18 +133,20 @@ def mutate(factors: np.ndarray, upper: float, rng: np.random.Generator, seen: se
             if rng.random() >= settings.mutation_probability:
                 continue
             low = child[i - 1] if i > 0 else 1.0
+            if lower is not None:
+                low = max(low, float(lower[i]))
             high = child[i + 1] if i < n - 1 else upper
             first = math.ceil((low - 1) / settings.step - 1e-9)  # grid points 1 + k·step within [low, high]
             last = math.floor((high - 1) / settings.step + 1e-9)
             if last >= first:
                 child[i] = round(1 + int(rng.integers(first, last + 1)) * settings.step, DECIMALS)
-        if _key(child) not in seen and is_valid(child, upper):
+        if _key(child) not in seen and is_valid(child, upper, lower):
             return child
     return None
 
 
 def crossover(first: np.ndarray, second: np.ndarray, upper: float, rng: np.random.Generator, seen: set,
-              settings: Evolution) -> np.ndarray | None:
+              settings: Evolution, lower: np.ndarray | None = None) -> np.ndarray | None:
     """A child of two parents (each pair: with probability p, the second parent's value with probability 0.5) that is
     new and valid, or None after ``crossover_tries`` tries or for identical parents."""
     if np.array_equal(first, second):
@@ -149,7 +154,7 @@ def crossover(first: np.ndarray, second: np.ndarray, upper: float, rng: np.rando
     for _ in range(settings.crossover_tries):
         take = (rng.random(len(first)) < settings.crossover_probability) & (rng.random(len(first)) < 0.5)
         child = np.where(take, second, first)
-        if _key(child) not in seen and is_valid(child, upper):
+        if _key(child) not in seen and is_valid(child, upper, lower):
             return child
     return None
 
@@ -190,16 +195,21 @@ class _Stop(Exception):
 
 def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float], *, upper: float,
            settings: Evolution = LONGROPE, seed: int = 0, candidates: int | None = None,
-           on_scored: Callable[[Scored], None] | None = None) -> SearchTrace:
-    """LongRoPE's search from ``initial`` factors, within [1, ``upper``] (1 + s in LongRoPE), lower fitness better.
+           on_scored: Callable[[Scored], None] | None = None, lower: Sequence[float] | None = None) -> SearchTrace:
+    """LongRoPE's search from ``initial`` factors, within [1, ``upper``] (1 + s in LongRoPE), lower fitness better;
+    with ``lower``, each pair's factor stays at least its value (LongRoPE2's critical dimension).
 
     Stops after ``settings.iterations`` iterations, or once ``candidates`` have been scored, or when no new candidate
     can be found. ``on_scored`` sees each candidate as soon as it is scored (progress bars)."""
     settings.check()
     start = np.round(np.asarray(initial, dtype=np.float64), DECIMALS)
-    if start.ndim != 1 or not is_valid(start, upper):
+    floor = None if lower is None else np.asarray(lower, dtype=np.float64)
+    if floor is not None and (floor.shape != start.shape or floor[-1] > upper):
+        raise InvalidParameterError(f"the lower bounds must hold one value per pair ({start.shape[0]}), each at most "
+                                    f"{upper}")
+    if start.ndim != 1 or not is_valid(start, upper, floor):
         raise InvalidParameterError(f"the starting factors must be one list, monotone non-decreasing within "
-                                    f"[1, {upper}]")
+                                    f"[1, {upper}]" + (" and at least the lower bounds" if floor is not None else ""))
     limit = settings.candidates if candidates is None else min(candidates, settings.candidates)
     rng = np.random.default_rng(seed)
     seen: set = set()
@@ -219,7 +229,7 @@ def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float], *, 
 
     try:
         first = score(start, "initial", 0)
-        population = [first] + [score(mutate(start, upper, rng, seen, settings), "mutation", 0)
+        population = [first] + [score(mutate(start, upper, rng, seen, settings, floor), "mutation", 0)
                                 for _ in range(settings.population - 1)]
         for iteration in range(1, settings.iterations + 1):
             parents = sorted(population, key=lambda s: _rank(s.fitness))[: settings.parents]
@@ -227,12 +237,12 @@ def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float], *, 
             arrays = [np.asarray(p.factors) for p in parents]
             for _ in range(settings.mutations):
                 parent = arrays[int(rng.integers(len(arrays)))]
-                population.append(score(mutate(parent, upper, rng, seen, settings), "mutation", iteration))
+                population.append(score(mutate(parent, upper, rng, seen, settings, floor), "mutation", iteration))
             for _ in range(settings.crossovers):
                 i, j = sorted(rng.choice(len(arrays), 2, replace=False).tolist())  # the better parent first
-                child = crossover(arrays[i], arrays[j], upper, rng, seen, settings)
+                child = crossover(arrays[i], arrays[j], upper, rng, seen, settings, floor)
                 origin = "crossover" if child is not None else "mutation"
-                child = child if child is not None else mutate(arrays[i], upper, rng, seen, settings)
+                child = child if child is not None else mutate(arrays[i], upper, rng, seen, settings, floor)
                 population.append(score(child, origin, iteration))
         return SearchTrace(scored, "finished")
     except _Stop as stop:

@@ -132,8 +132,37 @@ def _coerce(method: str, key: str, param: Param, value: Any) -> Any:
     return number if param.kind == "int" else float(number)
 
 
+# A static method's factor may be given as the length it is for (``yarn:target=32k``): factor = target / native length,
+# resolved when the model's native length is known (``resolve_params``, at patch time). Qwen's advice for static YaRN:
+# a factor matched to the typical length (quoted in exllamav3#29), not the largest.
+TARGET = "target"
+TARGET_PARAM = Param("int", "the context length the factor is for: factor = target / native length (e.g. target=32k)",
+                     maximum=MAX_POSITION, maximum_why=POSITION_BOUND_WHY)
+
+
+def takes_target(method: Method) -> bool:
+    """Whether ``target=N`` may stand for the method's factor: a static frequency method with a ``factor``."""
+    return method.kind == "frequency" and "factor" in method.params and not method.length_dependent
+
+
+def _target(name: str, method: Method, given: Mapping[str, Any]) -> int | None:
+    """The ``target`` given (read as a whole number of tokens, 16k = 16,384), or None; refused beside ``factor``."""
+    if TARGET not in given:
+        return None
+    if "factor" in given:
+        raise InvalidParameterError(f"{name}: give factor or target, not both (target=N sets factor = N / the native "
+                                    "length)")
+    value = given[TARGET]
+    try:
+        number = parse_number(value, whole=True, tokens=True)
+    except ValueError as error:
+        raise InvalidParameterError(f"{name}: parameter target={value!r}: {error}") from None
+    return _coerce(name, TARGET, TARGET_PARAM, number)
+
+
 def _check_names(name: str, method: Method, given: Mapping[str, Any]) -> None:
-    unknown = sorted(str(key) for key in given if key not in method.params)
+    unknown = sorted(str(key) for key in given if key not in method.params
+                     and not (key == TARGET and takes_target(method)))
     if unknown:
         known = ", ".join(method.params) or "none"
         hint = did_you_mean(unknown[0], method.params) if len(unknown) == 1 else ""
@@ -146,8 +175,11 @@ def canonical_params(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
     model (``window`` = native length / 8) stay as given: whether they equal the default depends on the model."""
     method = get_method(name)
     _check_names(name, method, given)
+    target = _target(name, method, given)
     params = {}
     for key, param in method.params.items():
+        if key == "factor" and target is not None:
+            params[TARGET] = target
         if key in given:
             value = _coerce(name, key, param, given[key])
             if param.default is REQUIRED or callable(param.default) or value != param.default:
@@ -155,13 +187,17 @@ def canonical_params(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def missing_parameter(name: str, key: str, param: Param, pairs: int | None = None) -> InvalidParameterError:
+def missing_parameter(name: str, key: str, param: Param, pairs: int | None = None,
+                      native_length: int | None = None) -> InvalidParameterError:
     """The refusal of a method spec that leaves out a parameter with no default (``yarn`` without ``factor``)."""
     if param.kind == "floats":
         example = f"[{','.join(['1.0'] * 3)},...] ({pairs} values)" if pairs else "[1.0,1.0,...] (one per rotary pair)"
     else:
         example = "2"
-    return InvalidParameterError(f"{name}: missing parameter {key} ({param.help}); e.g. {name}:{key}={example}")
+    also = ""
+    if key == "factor" and takes_target(get_method(name)):
+        also = f" or {name}:target={2 * native_length // 1024}k" if native_length else f" or {name}:target=LENGTH"
+    return InvalidParameterError(f"{name}: missing parameter {key} ({param.help}); e.g. {name}:{key}={example}{also}")
 
 
 def require_parameters(name: str, given: Mapping[str, Any]) -> None:
@@ -169,6 +205,8 @@ def require_parameters(name: str, given: Mapping[str, Any]) -> None:
     ``resolve_params`` gives once a model is loaded, before the load."""
     method = get_method(name)
     _check_names(name, method, given)
+    if _target(name, method, given) is not None:  # target=N stands for the factor (both, or neither, refused there)
+        given = {**given, "factor": None}
     for key, param in method.params.items():
         if param.default is REQUIRED and key not in given:
             raise missing_parameter(name, key, param)
@@ -178,12 +216,22 @@ def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[
     """Validate ``given`` against the method's parameters and fill in defaults (the model's own where it has one)."""
     method = get_method(name)
     _check_names(name, method, given)
+    target = _target(name, method, given)
+    if target is not None:  # factor = target / the native length the method scales from
+        native = given.get("original_max_position_embeddings")
+        native = _coerce(name, "original_max_position_embeddings", method.params["original_max_position_embeddings"],
+                         native) if native is not None and "original_max_position_embeddings" in method.params \
+            else base.native_length
+        if target < native:
+            raise InvalidParameterError(f"{name}: target={target:,} is below the native length {native:,}: a static "
+                                        "method extends the context; give a target of at least the native length")
+        given = {**{k: v for k, v in given.items() if k != TARGET}, "factor": target / native}
     params = {}
     for key, param in method.params.items():
         if key in given:
             params[key] = _coerce(name, key, param, given[key])
         elif param.default is REQUIRED:
-            raise missing_parameter(name, key, param, base.dim // 2)
+            raise missing_parameter(name, key, param, base.dim // 2, base.native_length)
         else:
             params[key] = param.default(base) if callable(param.default) else param.default
     if method.check:

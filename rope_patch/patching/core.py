@@ -119,6 +119,10 @@ class PatchReport:
         ]
         if self.replaced:
             lines.append(f"  replaced the model's own scaling ({self.replaced}); methods never compound")
+        if "target=" in self.label and "factor" in self.params:  # target=N: the factor it came to, and its cost
+            lines.append(f"  factor {self.params['factor']:g} = target / native length; a static factor applies "
+                         f"below the native length too: `rope-patch eval --method '{self.label}' --lengths "
+                         f"2k,{self.native_length}` reports the short-context cost")
         return "\n".join(lines)
 
 

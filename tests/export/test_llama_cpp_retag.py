@@ -46,12 +46,12 @@ def embedded(checker):
     return model, tokenizer, checker.document_ids(tokenizer, "argparse.py", LENGTH)
 
 
-@pytest.mark.parametrize("spec", sorted(["yarn:factor=2", "linear:factor=2"]))
+@pytest.mark.parametrize("spec", sorted(["yarn:factor=2", "linear:factor=2", "ntk:factor=2"]))
 def test_q4_1_retag_equals_llama_cpps_own_overrides(checker, embedded, tmp_path, spec):
     ids = embedded[2]
     retag_gguf(plan_retag(default_gguf_path(), spec), tmp_path / "model.gguf")
     retagged = checker.gguf_logprobs(tmp_path / "model.gguf", ids)
-    overridden = checker.gguf_logprobs(default_gguf_path(), ids, **checker.RETAG_OVERRIDES[spec])
+    overridden = checker.gguf_logprobs(default_gguf_path(), ids, **checker.printed_overrides(embedded[0], spec))
     assert np.abs(retagged - overridden).mean() <= 1e-5
 
 

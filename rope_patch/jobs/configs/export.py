@@ -36,6 +36,10 @@ class ExportConfig(JobConfig):
     gguf_dtype: str | None = option(None, "llama.cpp: the weights' type in the GGUF file written from a model "
                                           "(f32 if not given; a --gguf retag keeps the file's types)",
                                     choices=GGUF_DTYPES)
+    print_args: bool = option(False, "write nothing: print the engine's override serving the unmodified model "
+                                     "with --method (vLLM's --hf-overrides, SGLang's --json-model-override-args, "
+                                     "llama.cpp's --rope-scaling/--rope-scale/--yarn-orig-ctx/--rope-freq-base "
+                                     "flags) and its context length; the model is read without its weights")
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
     progress: bool = progress_option()
 
@@ -46,6 +50,16 @@ class ExportConfig(JobConfig):
             parse_method_spec(self.method)
         if self.output is not None:
             check_output(Path(self.output))
+
+    @classmethod
+    def check_runnable(cls, options) -> None:
+        """--print-args writes no folder: --output is not needed, and refused if given."""
+        if options.get("print_args") not in (None, False, "false", "no", "off", "0"):
+            if options.get("output") is not None or options.get("gguf") is not None:
+                raise ConfigError("export --print-args writes nothing: drop --output and --gguf (the flags serve "
+                                  "the original model or GGUF as it is)")
+            options = {**options, "output": "(none: --print-args)"}
+        super().check_runnable(options)
 
     def check_required(self) -> None:
         """The required options (see JobConfig), then what --gguf needs beside them."""

@@ -30,6 +30,13 @@ class FinetuneConfig(JobConfig):
                                                "random position skips reaching up to it, e.g. 32k (default: off)",
                                          tokens=True)
     pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
+    mixed_window: bool = option(False, "LongRoPE2's mixed context window: sequences up to the native length train "
+                                       "with the original RoPE, --seq-len ones with the method's, in one run; saved "
+                                       "as transformers' longrope (short factors 1), which switches by length. The "
+                                       "method's attention factor must be 1 (e.g. yarn:factor=2,attention_factor=1)")
+    short_share: float = option(0.5, "with --mixed-window, the share of micro-batches of short sequences")
+    short_len: int | None = option(None, "with --mixed-window, tokens per short sequence (default and most: the "
+                                         "native length)", tokens=True)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
     layer_types: list[str] | None = option(None, LAYER_TYPES_HELP, metavar="TYPES")
     steps: int = option(200, "optimizer steps")
@@ -119,6 +126,19 @@ class FinetuneConfig(JobConfig):
             raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
         check_spec_alone(self.method)  # and one that leaves out a parameter with no default
+        if self.mixed_window:
+            if not 0 <= self.short_share <= 1:
+                raise ConfigError(f"--short-share {self.short_share}: give a share between 0 and 1, e.g. 0.5")
+            if self.short_len is not None and self.short_len <= 0:
+                raise ConfigError(f"--short-len {self.short_len}: give a positive number of tokens")
+            if self.pose_target_len is not None or self.sequence_parallel > 1:
+                raise ConfigError("--mixed-window trains whole sequences of two lengths; drop --pose-target-len and "
+                                  "--sequence-parallel")
+            if frequency_and_attention(self.method)[1]:
+                raise ConfigError(f"--mixed-window cannot train {self.method}: an attention-level method has no "
+                                  "longrope form; train its frequency part, add the attention method at eval")
+        elif self.short_len is not None or self.short_share != 0.5:
+            raise ConfigError("--short-share and --short-len apply only with --mixed-window; add it or drop them")
         if self.sequence_parallel > 1 and frequency_and_attention(self.method)[1]:
             raise ConfigError(f"--sequence-parallel cannot run {self.method}: its banded attention is not the core "
                               "attention Ulysses wraps; train a frequency method, add the attention method at eval")

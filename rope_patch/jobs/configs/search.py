@@ -50,6 +50,16 @@ class SearchConfig(SweepConfig):
     seed: int = option(0, "seed of the search and of the document sample")
     bos: str = option("auto", "start windows with the BOS token: auto follows the tokenizer",
                       choices=tuple(BOS_CHOICES))
+    objective: str = option("perplexity", "what scores a candidate at the target length: perplexity (LongRoPE: every "
+                                          "token of the held-in documents) or needle (LongRoPE2: the answer tokens "
+                                          "of needle documents built from them, a key planted at depth (k + 0.5)/n "
+                                          "of document k, asked for at the end)",
+                            choices=("perplexity", "needle"))
+    critical_dimension: str = option("auto", "LongRoPE2's critical dimension: pairs whose period 2π/θ_i exceeds the "
+                                             "native length (from pair ceil((d/2)·log_b(L/2π)) on) keep factors of "
+                                             "at least target / native; auto: on with --objective needle, off with "
+                                             "perplexity (LongRoPE's own search)",
+                                     choices=("auto", "on", "off"))
     max_short_cost: float | None = option(None, "reject candidates whose perplexity at the native length, on the "
                                                 "held-in documents, exceeds the unpatched model's by more than this "
                                                 "share (0.01: at most +1 %, as LongRoPE2 keeps the short window)")
@@ -86,6 +96,10 @@ class SearchConfig(SweepConfig):
             self.evolution().check()
         except Exception as error:
             raise ConfigError(str(error)) from None
+
+    @property
+    def uses_critical_dimension(self) -> bool:
+        return self.critical_dimension == "on" or (self.critical_dimension == "auto" and self.objective == "needle")
 
     def evolution(self) -> Any:
         """LongRoPE's settings (a ``Evolution``), scaled to --candidates, with the

@@ -1,0 +1,129 @@
+"""export --print-args: the engine's override for the unmodified model, writing nothing. Oracles: transformers' own
+model built from the original folder with the printed JSON applied to its config (what vLLM's hf_overrides and SGLang's
+json_model_override_args do to the config they load) against rope_patch's patched model; llama.cpp's keywords against
+the overrides scripts/check_engines.py measured on llama.cpp before (REFERENCE.md, retag oracle)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import rope_patch
+from rope_patch.cli import main
+from rope_patch.export.engines import LLAMA_ROPE_SCALING
+from rope_patch.jobs.export import ExportConfig, readme, run_export
+from tiny_models import NATIVE
+
+PROBE = (torch.arange(3 * NATIVE) * 7 % 90 + 4).unsqueeze(0)  # (1, 192) past the native length
+
+
+def printed_json(text: str, flag: str) -> dict:
+    words = shlex.split(text.splitlines()[1])
+    return json.loads(words[words.index(flag) + 1])
+
+
+# SGLang's JSON is the same (its own reading is checked below); its command line's flags: once, here
+@pytest.mark.parametrize("engine,flag,length_flag,spec", [
+    ("vllm", "--hf-overrides", "--max-model-len", "yarn:factor=3"),
+    ("vllm", "--hf-overrides", "--max-model-len", "ntk:factor=4"),
+    ("vllm", "--hf-overrides", "--max-model-len", "llama3:factor=2"),
+    ("sglang", "--json-model-override-args", "--context-length", "linear:factor=2")])
+def test_the_printed_override_applied_to_the_original_config_is_the_patched_model(tiny_folder, tmp_path, capsys,
+                                                                                  engine, flag, length_flag, spec):
+    folder, _ = tiny_folder
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["export", "--engine", engine, "--method", spec, "--model", str(folder), "--print-args"]) == 0
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
+    overrides = printed_json(text, flag)
+    words = shlex.split(text.splitlines()[1])
+    assert int(words[words.index(length_flag) + 1]) == overrides["max_position_embeddings"]
+    served = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **overrides).eval()
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    name, params = rope_patch.parse_method_spec(spec)
+    with torch.no_grad(), rope_patch.patched(reference, name, **params):
+        expected = reference(input_ids=PROBE).logits
+    with torch.no_grad():
+        assert torch.allclose(served(input_ids=PROBE).logits, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec,flags,keywords", [
+    # the keywords scripts/check_engines.py checked against llama.cpp (retagged Q4_1 file = untouched file + these)
+    ("yarn:factor=2", "--rope-scaling yarn --rope-scale 2 --yarn-orig-ctx 64 --ctx-size 128",
+     {"rope_scaling_type": 2, "rope_freq_scale": 0.5, "yarn_orig_ctx": 64}),
+    ("linear:factor=2", "--rope-scaling linear --rope-scale 2 --ctx-size 128",
+     {"rope_scaling_type": 1, "rope_freq_scale": 0.5}),
+    ("base:rope_theta=40000", "--rope-scaling none --rope-freq-base 40000 --ctx-size 64",
+     {"rope_scaling_type": 0, "rope_freq_base": 40000.0}),
+    ("none", "--rope-scaling none --ctx-size 64", {"rope_scaling_type": 0}),
+])
+def test_llama_cpp_flags(tiny_folder, spec, flags, keywords):
+    folder, _ = tiny_folder
+    printed = run_export(engine="llama.cpp", method=spec, model=str(folder), print_args=True)
+    assert printed.command == f"llama-server -m ORIGINAL.gguf {flags}"
+    assert printed.settings.llama_cpp_overrides == keywords
+    assert LLAMA_ROPE_SCALING == {"none": 0, "linear": 1, "yarn": 2}  # llama.h's LLAMA_ROPE_SCALING_TYPE_*
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--engine", "llama.cpp", "--method", "llama3:factor=2"], "needs the rope_freqs tensor in the GGUF file"),
+    (["--engine", "llama.cpp", "--method", "yarn:factor=2,beta_fast=64"], "rope_freqs tensor"),
+    (["--engine", "vllm", "--method", "dynamic_ntk:factor=2"], "vLLM cannot serve dynamic_ntk"),
+    (["--engine", "transformers", "--method", "yarn:factor=2"], "config.json only"),
+    (["--engine", "vllm", "--method", "yarn:factor=2", "--output", "x"], "writes nothing: drop --output"),
+])
+def test_what_cannot_be_printed_is_refused_in_one_line(tiny_folder, capsys, argv, words):
+    folder, _ = tiny_folder
+    assert main(["export", *argv, "--model", str(folder), "--print-args"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+
+
+def test_the_export_readme_shows_the_same_override(tiny_folder, tmp_path):
+    folder, _ = tiny_folder
+    for engine in ("vllm", "sglang"):
+        printed = run_export(engine=engine, method="yarn:factor=2", model=str(folder), print_args=True)
+        run_export(engine=engine, method="yarn:factor=2", model=str(folder), output=str(tmp_path / engine))
+        assert printed.command in (tmp_path / engine / "README.md").read_text()
+    # llama.cpp: rope_patch writes a GGUF for the embedded vocabulary only, so its README is read off readme()
+    printed = run_export(engine="llama.cpp", method="yarn:factor=2", model=str(folder), print_args=True)
+    config = ExportConfig(engine="llama.cpp", method="yarn:factor=2", model=str(folder), output=str(tmp_path / "l"))
+    assert printed.command in readme(config, printed.settings, "yarn:factor=2", "tiny", None)
+
+
+def sglang_reads(folder, overrides: dict):
+    """SGLang 0.5.23's reading of --json-model-override-args (sglang/srt/utils/hf_transformers/config.py,
+    ``get_config``), written out here: each key set on the loaded config, a dict-valued ``rope_parameters`` merged
+    into the config's own ({**current, **value}, sglang#41227); and its derived context length
+    (``common.get_context_length``: max_position_embeddings × rope factor, the factor 1 when the dict has
+    original_max_position_embeddings or is llama3)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if key in ("rope_scaling", "rope_parameters") and isinstance(value, dict) and isinstance(current, dict):
+            setattr(config, key, {**current, **value})
+        else:
+            setattr(config, key, value)
+    rope = getattr(config, "rope_scaling", None) or {}
+    factor = 1 if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3" \
+        else rope.get("factor", 1)
+    return config, int(factor * config.max_position_embeddings)
+
+
+@pytest.mark.parametrize("spec", ["yarn:factor=3", "linear:factor=2", "ntk:factor=4", "llama3:factor=2"])
+def test_sglangs_reading_of_the_json_gives_the_patched_model_within_its_context(tiny_folder, spec):
+    folder, _ = tiny_folder
+    printed = run_export(engine="sglang", method=spec, model=str(folder), print_args=True)
+    config, derived = sglang_reads(folder, json.loads(json.dumps(printed.settings.overrides)))
+    assert printed.settings.max_model_len <= derived  # --context-length within what SGLang derives: no warning
+    served = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    name, params = rope_patch.parse_method_spec(spec)
+    with torch.no_grad(), rope_patch.patched(reference, name, **params):
+        assert torch.allclose(served(input_ids=PROBE).logits, reference(input_ids=PROBE).logits, atol=1e-5)
