@@ -37,7 +37,7 @@ TARGET = 2 * NATIVE
 PERPLEXITY_LENGTHS = [2048, NATIVE, TARGET]
 PASSKEY_DEPTHS = [0.2, 0.4, 0.6, 0.8]
 PPL_SEARCHED = "@configs/search/smollm2_16k_best.json"
-SEARCH = dict(target_length=TARGET, factor=2.0, documents=1, candidates=32, population=8, parents=4, mutations=2,
+SEARCH = dict(lengths=[TARGET], factor=2.0, documents=1, candidates=32, population=8, parents=4, mutations=2,
               crossovers=2, seed=0, dtype="auto")  # configs/search/smollm2_16k.yaml, which found PPL_SEARCHED
 
 
@@ -72,7 +72,7 @@ def heldin_document(output: Path) -> Path:
         return folder
     _, tokenizer = load_default_model(dtype="fp32")
     corpus = load_documents(None)
-    config = SearchConfig(documents=1, heldout=["_pydecimal.py"], seed=0, target_length=TARGET)
+    config = SearchConfig(documents=1, heldout=["_pydecimal.py"], seed=0, lengths=[TARGET])
     heldin, _ = choose_documents(tokenize_documents(tokenizer, corpus), Protocol("truncate").min_tokens(TARGET), config)
     folder.mkdir(parents=True, exist_ok=True)
     text = {d.id: d.text for d in corpus}[heldin[0].id]
