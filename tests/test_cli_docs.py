@@ -3,17 +3,14 @@ includes it: the options a reader sees are the ones the command takes."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+from scripts_loader import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("make_cli_docs", ROOT / "scripts" / "make_cli_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_cli_docs")
 
 
 def test_the_committed_options_page_is_the_parsers_help():

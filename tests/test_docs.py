@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -20,6 +19,7 @@ from rope_patch.cli import build_parser
 from rope_patch.errors import ConfigError, RopePatchError
 from rope_patch.jobs import JOBS
 from rope_patch.methods import method_label, parse_method_spec
+from scripts_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -154,10 +154,7 @@ def test_no_docstring_keeps_a_sphinx_role():
 
 
 def hooks():
-    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "scripts" / "docs_hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs_hooks")
 
 
 def test_the_api_reference_shows_every_job_config_as_a_generated_table():
@@ -198,9 +195,7 @@ def test_the_example_commands_of_the_help_parse():
 
 def test_every_figure_of_the_docs_is_redrawn_by_the_figures_script():
     """docs/*.png come from scripts/make_doc_figures.py, each from the run its page describes."""
-    spec = importlib.util.spec_from_file_location("make_doc_figures", ROOT / "scripts" / "make_doc_figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("make_doc_figures")
     drawn = {name for runs in module.FIGURES.values() for _, _, names, _ in runs for name in names.values()}
     shown = {name for page in PAGES for name in re.findall(r"\(((?:docs/)?[\w-]+\.png)\)", page.read_text())}
     assert {Path(name).name for name in shown} <= drawn

@@ -151,3 +151,19 @@ def write_training_workspace(root, *, repeats: int = 12, tied_copy: bool = False
     for i in range(6):
         (root / "corpus" / f"doc{i}.txt").write_text(f"the cat sat on mat {i}. " * repeats)
     return root
+
+
+def write_search_workspace(root, *, documents: int, words: int):
+    """A saved tiny LLaMA (base 100,000, like the embedded model) with its character tokenizer under ``root/tiny``, and
+    ``documents`` seeded documents of ``words`` random words under ``root/corpus``. Returns root."""
+    import numpy as np
+
+    build_model(tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": 100000.0})).save_pretrained(
+        root / "tiny")
+    make_char_tokenizer().save_pretrained(root / "tiny")
+    (root / "corpus").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(documents):
+        chosen = rng.choice(["the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran "], size=words)
+        (root / "corpus" / f"doc{i}.txt").write_text("".join(chosen))
+    return root

@@ -8,6 +8,7 @@ import pytest
 from rope_patch.eval.passkey_report import plot_accuracy_vs_length
 from rope_patch.eval.perplexity_report import position_reference
 from rope_patch.eval.plots import log_value_axis, new_figure
+from scripts_loader import load_script
 
 
 @pytest.mark.parametrize("low,high", [(5.6, 6.3), (4.77, 20.45), (1.01, 1.03), (3.0, 300.0)])
@@ -78,14 +79,7 @@ def test_the_position_plot_is_drawn_against_the_best_method_only_when_there_are_
 
 
 def load_figures_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "make_doc_figures.py"
-    spec = importlib.util.spec_from_file_location("make_doc_figures", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_doc_figures")
 
 
 def test_the_figures_script_redraws_a_passkey_run_from_its_folder_with_one_setup(tmp_path):

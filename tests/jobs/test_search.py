@@ -19,7 +19,7 @@ import rope_patch.eval.search as search_module
 from rope_patch.cli import main as cli_main
 from rope_patch.errors import ConfigError, DataError, InvalidParameterError
 from rope_patch.jobs.search import SearchConfig, run_search
-from tiny_models import NATIVE, build_model, make_char_tokenizer, tiny_llama_config
+from tiny_models import NATIVE, make_char_tokenizer, write_search_workspace
 
 TARGET = 2 * NATIVE  # 128: beyond the tiny model's native 64, where long factors apply
 PROBE = (torch.arange(150) * 7 % 90 + 4).unsqueeze(0)  # (1, 150) token ids past the target length
@@ -28,16 +28,7 @@ PROBE = (torch.arange(150) * 7 % 90 + 4).unsqueeze(0)  # (1, 150) token ids past
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A tiny LLaMA (base 100,000, like the embedded model) with a character tokenizer, and 4 documents."""
-    root = tmp_path_factory.mktemp("search")
-    build_model(tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": 100000.0})).save_pretrained(
-        root / "tiny")
-    make_char_tokenizer().save_pretrained(root / "tiny")
-    (root / "corpus").mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(4):
-        words = rng.choice(["the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran "], size=60)
-        (root / "corpus" / f"doc{i}.txt").write_text("".join(words))
-    return root
+    return write_search_workspace(tmp_path_factory.mktemp("search"), documents=4, words=60)
 
 
 def options(workspace: Path, output, **overrides) -> dict:

@@ -15,23 +15,14 @@ from rope_patch.data.documents import Document
 from rope_patch.eval.needle import build_needle_documents, needle_key
 from rope_patch.jobs.search import run_search
 from rope_patch.patching import patched
-from tiny_models import NATIVE, build_model, make_char_tokenizer, tiny_llama_config
+from tiny_models import NATIVE, make_char_tokenizer, write_search_workspace
 
 TARGET = 8 * NATIVE  # 512 characters: passkey's intro, needle and question take about 250
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("needle")
-    build_model(tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": 100000.0})).save_pretrained(
-        root / "tiny")
-    make_char_tokenizer().save_pretrained(root / "tiny")
-    (root / "corpus").mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(3):
-        words = rng.choice(["the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran "], size=200)
-        (root / "corpus" / f"doc{i}.txt").write_text("".join(words))
-    return root
+    return write_search_workspace(tmp_path_factory.mktemp("needle"), documents=3, words=200)
 
 
 def test_a_needle_document_holds_the_text_the_key_at_its_depth_and_the_answer_last():
