@@ -10,8 +10,9 @@ configuration and installed there without any index:
 Versions are those installed in the environment that runs ``download`` (the ones tested here), for CPython
 ``--python-version`` (3.12, the GPU machine's) on manylinux x86_64. ``install`` puts a wheel into SITE (a folder
 put first on ``PYTHONPATH``) only when the machine cannot import its module, so the machine's own builds stay.
-pyarrow (55 MB) is not carried: with it the folder would pass the 64 MiB a transfer takes, and ``datasets`` (imported
-by rope_patch.data) needs it, so the machine must have it; ``install`` says so in one line where it is missing.
+pyarrow (55 MB) is not carried: with it the folder would pass the 64 MiB a transfer takes. rope_patch imports
+``datasets`` (and so pyarrow) only where it reads a local file or a hub data set; the benchmarks and the embedded
+corpus need neither. ``install`` says in one line where it is missing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ WHEELS = {
     "matplotlib": "matplotlib", "contourpy": "contourpy", "cycler": "cycler", "fonttools": "fontTools",
     "kiwisolver": "kiwisolver", "pyparsing": "pyparsing", "pillow": "PIL",
 }
-NOT_CARRIED = {"pyarrow": "pyarrow"}  # 55 MB: the GPU machine must have it (datasets imports it)
+NOT_CARRIED = {"pyarrow": "pyarrow"}  # 55 MB: only reading a local file or hub data set needs it (datasets)
 BUDGET_MIB = 64
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_28_x86_64")

@@ -21,9 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
-from datasets.exceptions import DatasetGenerationError
-
 from ..errors import DataError
 from ..hub import quiet_hub_requests
 
@@ -200,6 +197,11 @@ def _load_hub(name: str, split: str, text_field: str, subset: str | None) -> lis
 
 
 def _datasets_load(path: str, label: str, *args, split: str = "train", **kwargs):
+    # datasets (and its pyarrow, 55 MB) imported where a data set is read: the embedded corpus and plain text files
+    # need neither, so the GPU check's machine runs without them
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating train split" for every local file is noise here
     try:
