@@ -143,13 +143,3 @@ def _number(value: Any) -> bool:
 def _plain(value: Any) -> Any:
     """A config value as the trackers store it: numbers and text as they are, anything else as text."""
     return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
-
-
-def report_steps(report_to: Sequence[str] | None, steps: Steps, *, project: str, folder: str | Path | None,
-                 config: Mapping[str, Any] | None = None) -> None:
-    """An evaluation's table to the trackers: each length a step (in increasing order, as W&B requires), each method
-    a series, so a dashboard draws each method's figure against length. Nothing without a tracker."""
-    if not chosen_trackers(report_to):
-        return
-    with Trackers(report_to, project=project, folder=folder, config=config) as trackers:
-        trackers.log_table(steps)
