@@ -332,3 +332,13 @@ def test_lm_eval_logs_each_run_the_moment_it_finishes(tmp_path, monkeypatch):
     assert len(expected) == 2
     check_rows_land_as_cells_finish(timeline, "lm_eval/tiny_rolling/bits_per_byte", {
         cell: value for cell, value in expected.items()})
+
+
+@needs["tensorboard"]
+@pytest.mark.parametrize("run, options", [("run_eval", {}), ("run_passkey", {}), ("run_lm_eval", {"tasks": ["x"]})])
+def test_report_to_without_an_output_folder_is_refused_before_the_model_loads(run, options, tmp_path):
+    """The trackers keep their files under --output: with ``output=None``, one line before anything loads (the model
+    folder does not even exist, the task is unknown), not a traceback after the run."""
+    with pytest.raises(ConfigError, match="--report-to keeps the trackers' files under --output"):
+        getattr(rope_patch, run)(model=str(tmp_path / "absent"), method=["none"], lengths=[64], output=None,
+                                 report_to=["tensorboard"], progress=False, **options)
