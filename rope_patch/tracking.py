@@ -77,8 +77,12 @@ def accelerate_trackers(names: Iterable[str], *, project: str, folder: Path) -> 
     return made
 
 
+Steps = Mapping[int, Mapping[str, float]]  # step (a length, for evaluations) -> metric name -> value
+
+
 class Trackers:
-    """The trackers of one job run: ``log`` a step's figures, ``log_rows`` a table as one metric per cell, ``finish``.
+    """The trackers of one job run: ``log`` a step's figures, ``log_rows`` a table as one metric per cell,
+    ``log_finished_row`` an evaluation's row the moment it finishes, ``log_table`` its final table, ``finish``.
     With no tracker chosen, every call does nothing."""
 
     def __init__(self, report_to: Sequence[str] | None, *, project: str, folder: str | Path | None,
@@ -87,6 +91,7 @@ class Trackers:
         if names and folder is None:
             raise ConfigError("--report-to keeps the trackers' files under --output: give an output folder")
         self.trackers = accelerate_trackers(names, project=project, folder=Path(folder)) if names else []
+        self.rows = 0  # finished rows logged so far: the step of the next one
         for tracker in self.trackers:
             tracker.start()
             if config:
@@ -102,6 +107,20 @@ class Trackers:
         """One metric per row: ``prefix/<row's keys...>`` = the row's ``value`` (a row without a number is left out)."""
         self.log({metric_key(prefix, *(row[k] for k in keys)): row[value] for row in rows if _number(row.get(value))},
                  step=step)
+
+    def log_finished_row(self, values: Mapping[str, float]) -> None:
+        """One row of an evaluation, the moment it finishes: its figures (named ``rows/...``, one name per row) at
+        step 1, 2, 3, ... in the order rows finish, so every tracker's steps increase (W&B drops a step lower than
+        the last one; a method's lengths come again for the next method)."""
+        if self.trackers:
+            self.rows += 1
+            self.log(values, step=self.rows)
+
+    def log_table(self, steps: Steps) -> None:
+        """An evaluation's final table: each length a step, in increasing order (as W&B requires), each method a
+        series, so a dashboard draws each method's figure against length."""
+        for step in sorted(steps):
+            self.log(steps[step], step=step)
 
     def finish(self) -> None:
         for tracker in self.trackers:
@@ -124,17 +143,3 @@ def _number(value: Any) -> bool:
 def _plain(value: Any) -> Any:
     """A config value as the trackers store it: numbers and text as they are, anything else as text."""
     return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
-
-
-Steps = Mapping[int, Mapping[str, float]]  # step (a length, for evaluations) -> metric name -> value
-
-
-def report_steps(report_to: Sequence[str] | None, steps: Steps, *, project: str, folder: str | Path | None,
-                 config: Mapping[str, Any] | None = None) -> None:
-    """An evaluation's table to the trackers: each length a step (in increasing order, as W&B requires), each method
-    a series, so a dashboard draws each method's figure against length. Nothing without a tracker."""
-    if not chosen_trackers(report_to):
-        return
-    with Trackers(report_to, project=project, folder=folder, config=config) as trackers:
-        for step in sorted(steps):
-            trackers.log(steps[step], step=step)

@@ -165,3 +165,180 @@ def test_finetune_reports_loss_lr_and_tokens_per_second_as_its_log(tmp_path):
         assert [s for s, _ in scalars[key]] == [int(r["step"]) for r in logged]
         for (_, value), row in zip(scalars[key], logged):
             assert math.isclose(value, float(row[column]), rel_tol=1e-3), (key, value, row[column])
+
+
+class Timeline:
+    """The order things happen in one job: each result appended to results.jsonl (``store``), each step a tracker is
+    sent (``log``, the real trackers still get it) and the reports written. The oracle for "a row is logged the moment
+    it finishes": after its cell's last record is stored, before the next method's first one, before the reports."""
+
+    def __init__(self, monkeypatch, report_module):
+        from rope_patch.eval.store import ResultStore
+
+        self.events: list[tuple] = []
+        append, log = ResultStore.append, Trackers.log
+        write_reports = report_module.write_reports
+
+        def recorded_append(store, record):
+            self.events.append(("store", record["method"], record["length"]))
+            return append(store, record)
+
+        def recorded_log(trackers, values, step=None):
+            if trackers.trackers:
+                self.events.append(("log", step, dict(values)))
+            return log(trackers, values, step=step)
+
+        def recorded_reports(*args, **kwargs):
+            self.events.append(("reports",))
+            return write_reports(*args, **kwargs)
+
+        monkeypatch.setattr(ResultStore, "append", recorded_append)
+        monkeypatch.setattr(Trackers, "log", recorded_log)
+        monkeypatch.setattr(report_module, "write_reports", recorded_reports)
+
+    def index(self, predicate) -> list[int]:
+        return [i for i, event in enumerate(self.events) if predicate(event)]
+
+    def rows(self, prefix: str) -> list[tuple[int, int, str, float]]:
+        """``(event index, step, metric, value)`` of every finished-row log."""
+        return [(i, e[1], k, v) for i, e in enumerate(self.events) if e[0] == "log"
+                for k, v in e[2].items() if k.startswith(f"rows/{prefix}/")]
+
+
+def row_key(prefix: str, method: str, length: int) -> str:
+    """A finished row's metric name: ``rows/<prefix>/<method>/<length>`` (the prefix may hold ``/`` of its own)."""
+    return f"rows/{prefix}/{metric_key(method, length)}"
+
+
+def check_rows_land_as_cells_finish(timeline: Timeline, prefix: str, expected: dict[tuple[str, int], float]):
+    """Each (method, length) row logged once, at steps 1, 2, ... in the order logged, after its cell's last stored
+    record, before the next method's first record and before the reports; its value the final table's."""
+    rows = timeline.rows(prefix)
+    assert sorted(k for _, _, k, _ in rows) == sorted(row_key(prefix, m, n) for m, n in expected)
+    assert [step for _, step, _, _ in rows] == list(range(1, len(rows) + 1))
+    (reports,) = timeline.index(lambda e: e[0] == "reports")
+    methods = list(dict.fromkeys(m for m, _ in expected))
+    for (method, length), value in expected.items():
+        (at,) = [i for i, _, k, _ in rows if k == row_key(prefix, method, length)]
+        last_stored = max(timeline.index(lambda e: e[:3] == ("store", method, length)))
+        assert last_stored < at < reports
+        later = methods[methods.index(method) + 1:]
+        if later:
+            assert at < min(timeline.index(lambda e: e[0] == "store" and e[1] == later[0]))
+        assert dict((k, v) for _, _, k, v in rows)[row_key(prefix, method, length)] == pytest.approx(
+            value, rel=1e-9)
+
+
+@needs["tensorboard"]
+@needs["mlflow"]
+def test_eval_logs_each_row_the_moment_its_cell_finishes(tiny_folder, tmp_path, monkeypatch):
+    """Issue 37: each method × length perplexity reaches the trackers as soon as its last document is scored (steps
+    1, 2, ... in that order), then the final table at the length steps; TensorBoard's event files and MLflow's file
+    store hold both, and the row equals the summary row."""
+    import rope_patch.jobs.eval as eval_job
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    timeline = Timeline(monkeypatch, eval_job)
+    folder, corpus = tiny_folder
+    result = rope_patch.run_eval(model=str(folder), dataset=str(corpus), lengths=[64, 128], dtype="fp32",
+                                 method=["none", "yarn:factor=2"], output=str(tmp_path / "out"), progress=False,
+                                 report_to=["tensorboard", "mlflow"])
+    expected = {(r["method"], r["length"]): r["perplexity"] for r in result.rows}
+    check_rows_land_as_cells_finish(timeline, "perplexity", expected)
+    order = {k: step for _, step, k, _ in timeline.rows("perplexity")}
+    scalars = tensorboard_scalars(tmp_path / "out" / "tensorboard")
+    metrics = mlflow_metrics(tmp_path / "out", "rope-patch-eval")
+    for (method, length), value in expected.items():
+        key = metric_key("rows", "perplexity", method, length)
+        assert scalars[key] == [(order[key], pytest.approx(value, rel=1e-6))]
+        assert metrics[key] == [(order[key], pytest.approx(value, rel=1e-9))]
+        assert dict(metrics[metric_key("perplexity", method)])[length] == pytest.approx(value, rel=1e-9)
+
+
+@needs["tensorboard"]
+def test_a_resumed_eval_logs_only_the_rows_it_computes(tiny_folder, tmp_path, monkeypatch):
+    """Rows found finished in results.jsonl are not sent again as new rows; the final table still holds them."""
+    import rope_patch.jobs.eval as eval_job
+
+    folder, corpus = tiny_folder
+    options = dict(model=str(folder), dataset=str(corpus), lengths=[64, 128], dtype="fp32",
+                   output=str(tmp_path / "out"), progress=False, report_to=["tensorboard"])
+    rope_patch.run_eval(method=["none"], **options)
+    timeline = Timeline(monkeypatch, eval_job)
+    result = rope_patch.run_eval(method=["none", "yarn:factor=2"], **options)
+    rows = timeline.rows("perplexity")
+    assert [(step, k) for _, step, k, _ in rows] == [(1, metric_key("rows", "perplexity", "yarn:factor=2", 64)),
+                                                     (2, metric_key("rows", "perplexity", "yarn:factor=2", 128))]
+    table = [e for e in timeline.events if e[0] == "log" and e[1] in (64, 128)]
+    assert {k for e in table for k in e[2] if k.startswith("perplexity/")} == {
+        metric_key("perplexity", r["method"]) for r in result.rows}
+
+
+@needs["tensorboard"]
+def test_passkey_logs_each_cell_the_moment_its_last_trial_is_answered(tiny_folder, tmp_path, monkeypatch):
+    """A (method, length) passkey cell's accuracy (all depths and trials) is logged when its last trial is stored;
+    the oracle is the trials' own ``correct`` in the returned records."""
+    import rope_patch.jobs.passkey as passkey_job
+
+    timeline = Timeline(monkeypatch, passkey_job)
+    result = rope_patch.run_passkey(model=str(tiny_folder[0]), method=["none", "linear:factor=2"], lengths=[260, 300],
+                                    depths=[0.25, 0.75], trials=1, max_new_tokens=2, dtype="fp32",
+                                    output=str(tmp_path / "out"), progress=False, report_to=["tensorboard"])
+    expected = {}
+    for r in result.records:
+        expected.setdefault((r["method"], r["length"]), []).append(r["correct"])
+    check_rows_land_as_cells_finish(timeline, "passkey_accuracy",
+                                    {cell: sum(c) / len(c) for cell, c in expected.items()})
+    scalars = tensorboard_scalars(tmp_path / "out" / "tensorboard")
+    assert {k for k in scalars if k.startswith("rows/")} == {metric_key("rows", "passkey_accuracy", m, n)
+                                                             for m, n in expected}
+
+
+@needs["tensorboard"]
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm_eval not installed")
+def test_lm_eval_logs_each_run_the_moment_it_finishes(tmp_path, monkeypatch):
+    """Each (method, task, length) run's scores reach the trackers when the run is stored, before the next method's
+    run and the reports; the oracle is the job's own summary rows (lm-eval's scores)."""
+    import textwrap
+
+    import rope_patch.jobs.lm_eval as lm_eval_job
+    from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "docs.jsonl").write_text("".join(json.dumps({"text": "".join(chr(33 + (i * 7 + j) % 90) for j in n)})
+                                              + "\n" for i, n in enumerate((range(200), range(150)))))
+    (tasks / "tiny_rolling.yaml").write_text(textwrap.dedent(f"""\
+        task: tiny_rolling
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {tasks / "docs.jsonl"}
+        test_split: test
+        output_type: loglikelihood_rolling
+        doc_to_text: ""
+        doc_to_target: "{{{{text}}}}"
+        metric_list:
+          - metric: bits_per_byte
+        metadata:
+          version: 1.0
+        """))
+    timeline = Timeline(monkeypatch, lm_eval_job)
+    result = rope_patch.run_lm_eval(model=build_model(tiny_llama_config()), tokenizer=make_char_tokenizer(),
+                                    method=["none", "linear:factor=2"], tasks=["tiny_rolling"],
+                                    include_path=str(tasks), lengths=[128], output=str(tmp_path / "out"),
+                                    progress=False, report_to=["tensorboard"])
+    expected = {(r["method"], r["length"]): r["value"] for r in result.rows if r["metric"] == "bits_per_byte"}
+    assert len(expected) == 2
+    check_rows_land_as_cells_finish(timeline, "lm_eval/tiny_rolling/bits_per_byte", {
+        cell: value for cell, value in expected.items()})
+
+
+@needs["tensorboard"]
+@pytest.mark.parametrize("run, options", [("run_eval", {}), ("run_passkey", {}), ("run_lm_eval", {"tasks": ["x"]})])
+def test_report_to_without_an_output_folder_is_refused_before_the_model_loads(run, options, tmp_path):
+    """The trackers keep their files under --output: with ``output=None``, one line before anything loads (the model
+    folder does not even exist, the task is unknown), not a traceback after the run."""
+    with pytest.raises(ConfigError, match="--report-to keeps the trackers' files under --output"):
+        getattr(rope_patch, run)(model=str(tmp_path / "absent"), method=["none"], lengths=[64], output=None,
+                                 report_to=["tensorboard"], progress=False, **options)

@@ -25,7 +25,7 @@ import json
 import random
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -229,6 +229,7 @@ def evaluate_harness(
     catalog: TaskCatalog | None = None,
     progress: bool = True,
     engine: HfEngine | VllmEngine | None = None,
+    on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Run lm-eval ``tasks`` on ``model`` under each method and return one record per (method, task, length).
 
@@ -239,7 +240,8 @@ def evaluate_harness(
     ``Sweep``) are skipped; new ones are appended the moment they finish. ``metadata`` goes to every task
     (RULER: ``{"max_seq_lengths": [4096, 8192]}``, split into one run per length); RULER's tokenizer is the model's
     own, saved for it, unless ``metadata`` names one. ``engine`` scores each method (default: the patched model through
-    lm-eval's HFLM, ``harness_engines``); its name is part of the key.
+    lm-eval's HFLM, ``harness_engines``); its name is part of the key. ``on_row(record)`` is called the moment a run
+    finishes in this call (a run found finished in ``store`` is not sent).
     """
     require_lm_eval()
     engine = engine or HfEngine(model, tokenizer)
@@ -254,7 +256,7 @@ def evaluate_harness(
                  "include_path": include_path,
                  "metadata": {k: v for k, v in metadata.items() if not (split and k == "max_seq_lengths")}}
     sweep = Sweep(model, methods, UNIT_FIELDS, store=store, setup={**dict(setup or {}), **run_setup},
-                  job="rope-patch lm-eval")
+                  job="rope-patch lm-eval", on_finish=on_row)
     keyed = [{"task": u.task, "length": u.length} for u in units]
     todo = sweep.missing(keyed)
     if not todo:

@@ -17,7 +17,7 @@ import contextlib
 import random
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +168,7 @@ def evaluate_passkey(
     store: ResultStore | None = None,
     setup: Mapping[str, Any] | None = None,
     progress: bool = True,
+    on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Run the passkey grid (methods × lengths × depths × trials) and return one record per trial.
 
@@ -175,11 +176,22 @@ def evaluate_passkey(
     it is, a fine-tuned checkpoint's own scaling included). Trials already in ``store`` under the same key (method,
     cell, seed, ``max_new_tokens``, the ``setup`` given, and the model's fingerprint, dtype and attention
     implementation: ``Sweep``) are skipped; new ones are appended the moment they finish. A record holds
-    the key, the decoded output, the parsed answer and ``correct``.
+    the key, the decoded output, the parsed answer and ``correct``. ``on_row({"method", "length", "correct",
+    "trials", "accuracy"})`` is called the moment a (method, length) cell gets its last trial (all depths) in this
+    call (a cell found finished in ``store`` is not sent).
     """
     check_grid(lengths, depths, trials, max_new_tokens)
+
+    def cell_finished(record: dict) -> None:
+        cell = [sweep.record(record["method"], u) for u in units if u["length"] == record["length"]]
+        if on_row is not None and all(r is not None for r in cell):
+            correct = sum(bool(r["correct"]) for r in cell)
+            on_row({"method": record["method"], "length": int(record["length"]), "correct": correct,
+                    "trials": len(cell), "accuracy": correct / len(cell)})
+
     sweep = Sweep(model, methods, UNIT_FIELDS, store=store,
-                  setup={**dict(setup or {}), "max_new_tokens": int(max_new_tokens)}, job="rope-patch passkey")
+                  setup={**dict(setup or {}), "max_new_tokens": int(max_new_tokens)}, job="rope-patch passkey",
+                  on_finish=cell_finished if on_row is not None else None)
     builder = PromptBuilder(tokenizer)
     units = [{"length": int(n), "depth": float(d), "trial": t, "seed": int(seed)}
              for n in lengths for d in depths for t in range(trials)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from ..stopping import CONTROL
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
 from .window_loss import window_nll
-from .windows import Protocol, Window
+from .windows import Protocol, Window, perplexity
 
 UNIT_FIELDS = ("length", "protocol", "stride", "document")
 KEY_FIELDS = ("setup", "method", *UNIT_FIELDS)
@@ -271,6 +271,7 @@ def evaluate(
     accelerator=None,
     shards=None,
     progress: bool = True,
+    on_row: Callable[[dict], None] | None = None,
 ) -> tuple[list[dict], list[EvalFailure]]:
     """Score every document at every length under every method; return ``(records, failures)``.
 
@@ -281,11 +282,22 @@ def evaluate(
     windows are dealt round-robin and gathered, and sums are taken in window order on the main process. Out of memory
     halves the batch and retries the unfinished documents; at one window per forward it is reported for that length
     and the run goes on. ``shards`` (``sequence_shards``): each window split over a sequence
-    group of processes.
+    group of processes. ``on_row({"method", "length", "perplexity", "documents", "tokens"})`` is called on the main
+    process the moment a (method, length) cell gets its last document in this call (a cell found finished in
+    ``store`` is not sent).
     """
     protocol.check(lengths)
+
+    def cell_finished(record: dict) -> None:
+        cell = [keys.record(record["method"], sweep.unit(record["length"], d)) for d in documents]
+        if on_row is not None and all(r is not None for r in cell):
+            nll, tokens = sum(r["nll"] for r in cell), sum(r["tokens"] for r in cell)
+            on_row({"method": record["method"], "length": int(record["length"]), "perplexity": perplexity(nll, tokens),
+                    "documents": len(cell), "tokens": int(tokens)})
+
     keys = Sweep(model, methods, UNIT_FIELDS, store=store, setup=setup,
-                 writer=accelerator is None or accelerator.is_main_process, job="rope-patch eval")
+                 writer=accelerator is None or accelerator.is_main_process, job="rope-patch eval",
+                 on_finish=cell_finished if on_row is not None else None)
     sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), keys, accelerator, shards)
     unshared = {e.label: sweep.plan(e, lengths, shared=False) for e in keys.entries}  # the most work there can be
     bar = tqdm(total=sum(_tokens(plans) for plans in unshared.values()), unit="tok", unit_scale=True,

@@ -7,7 +7,9 @@ scaling and never scaled twice.
 
 ``Sweep`` is the skeleton every evaluation runs in: methods × units (a length and a document, a passkey trial, an
 lm-eval task), each method patched in once for the units it still lacks, each unit recorded the moment it is done and
-skipped on a rerun when the store holds it under the same key. The key is built in one place (``Sweep.identity``):
+skipped on a rerun when the store holds it under the same key. ``on_finish(record)`` (optional) is called on the
+writing process the moment a unit is recorded, never for a unit found finished in the store: a live dashboard sees
+each result as it lands, and a resumed run does not send the old ones again. The key is built in one place (``Sweep.identity``):
 the method, the unit, and a ``setup`` of everything else that changes the numbers, to which the sweep adds the model's
 own fingerprint (config and weights), dtype and attention implementation. Rows of other settings are kept apart in the
 same file and never reused.
@@ -137,8 +139,9 @@ class Sweep:
 
     def __init__(self, model: nn.Module, methods: Sequence[MethodSpec], unit_fields: Sequence[str], *,
                  store: ResultStore | None = None, setup: Mapping[str, Any] | None = None, writer: bool = True,
-                 job: str = "rope-patch"):
+                 job: str = "rope-patch", on_finish: Callable[[dict], None] | None = None):
         self.model = model
+        self.on_finish = on_finish
         self.entries = method_entries(model, methods)
         self.key_fields = ("setup", "method", *unit_fields)
         if store is not None and store.key_fields != self.key_fields:
@@ -167,6 +170,8 @@ class Sweep:
         self.finished[record_key(record, self.key_fields)] = record
         if self.store is not None and self.writer:
             self.store.append(record)
+        if self.on_finish is not None and self.writer:  # after the store: a result is on disk before it is shown
+            self.on_finish(record)
         return record
 
     def missing(self, units: Sequence[Mapping[str, Any]]) -> list[tuple[MethodEntry, list[Mapping[str, Any]]]]:

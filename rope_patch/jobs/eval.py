@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate
 from ..eval.window_loss import check_chunked_loss
 from ..eval.perplexity_report import REFERENCE, format_table, summarize, tracker_steps, write_reports
-from ..tracking import report_steps
+from ..tracking import Trackers, metric_key
 from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.store import open_store
@@ -125,6 +125,11 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
     with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
         store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process, job=JOB))
+    trackers = stack.enter_context(Trackers(config.report_to if accelerator.is_main_process else None,
+                                            project="rope-patch-eval", folder=config.output, config=settings))
+
+    def log_row(row: dict) -> None:  # a (method, length) cell, the moment its last document is scored
+        trackers.log_finished_row({metric_key("rows", "perplexity", row["method"], row["length"]): row["perplexity"]})
 
     rank, world = accelerator.process_index, accelerator.num_processes
     shards = contextlib.nullcontext() if config.sequence_parallel == 1 else sequence_shards(
@@ -134,7 +139,8 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     with fast_path(model, config.kernels, config.attention_kernel), shards as sharding, CONTROL.stoppable(model):
         records, failures = evaluate(model, chosen, config.method, config.lengths, protocol,
                                      batch_size=config.batch_size, loss_chunk=config.loss_chunk, store=store,
-                                     setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress)
+                                     setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress,
+                                     on_row=log_row)
         entries = method_entries(model, config.method)
         in_sweep = REFERENCE in {e.label for e in entries}
         short = [n for n in config.lengths if settings["native_length"] and n <= settings["native_length"]]
@@ -142,7 +148,8 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
         if config.short_cost and short and not in_sweep:  # cheap beside the long lengths
             reference, missed = evaluate(model, chosen, [REFERENCE], short, protocol, batch_size=config.batch_size,
                                          loss_chunk=config.loss_chunk, store=store, setup=setup,
-                                         accelerator=accelerator, shards=sharding, progress=config.progress)
+                                         accelerator=accelerator, shards=sharding, progress=config.progress,
+                                         on_row=log_row)
             failures = [*failures, *missed]
     settings["short_cost"] = short_cost_note(short, in_sweep=in_sweep, scored=config.short_cost)
     rows = summarize(records, entries, config.lengths, protocol=config.protocol, stride=protocol.effective_stride,
@@ -151,7 +158,5 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     files = {}
     if config.output is not None and accelerator.is_main_process:
         files = write_reports(rows, records, config.output, settings=settings, native_length=settings["native_length"])
-    if accelerator.is_main_process:
-        report_steps(config.report_to, tracker_steps(rows), project="rope-patch-eval", folder=config.output,
-                     config=settings)
+    trackers.log_table(tracker_steps(rows))  # nothing on the other processes: they hold no tracker
     return EvalResult(rows, records, failures, files, format_table(rows), settings, accelerator.is_main_process)

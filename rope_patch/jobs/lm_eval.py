@@ -15,7 +15,7 @@ from ..eval.harness_engines import HfEngine, VllmEngine
 from ..eval.vllm_engine import require_vllm
 from ..eval.harness_report import (add_difference_to_reference, format_table, short_cost_table, summarize,
                                   tracker_steps, write_reports)
-from ..tracking import report_steps
+from ..tracking import Trackers
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -91,24 +91,30 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
         print(f"rope-patch lm-eval: plan: {methods} method(s) x {len(config.tasks)} task(s) "
               f"({', '.join(config.tasks)}), window {window if window else 'per max_seq_lengths'}; not timed (the "
               "harness's bar shows each run's progress); --limit shrinks it", file=sys.stderr, flush=True)
-    with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
-        records = evaluate_harness(
-            loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
-            max_length=window, batch_size=config.batch_size, limit=config.limit,
-            num_fewshot=config.num_fewshot, metadata=config.sweep_metadata(), output=config.output, store=store,
-            setup=config.setup(loaded), model_name=loaded.label, catalog=catalog, progress=config.progress,
-            engine=engine,
-        )
-    rows = add_difference_to_reference(summarize(records), native_length(loaded.model))
     settings = {"model": loaded.label, "dtype": loaded.dtype, "backend": config.backend,
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
                 "include_path": config.include_path, "max_length": window, "batch_size": config.batch_size,
                 "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.sweep_metadata(),
                 "native_length": native_length(loaded.model), "output": config.output,
                 "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
-    files = {}
-    if config.output is not None:
-        files = write_reports(rows, config.output, settings=settings, native_length=settings["native_length"])
-    report_steps(config.report_to, tracker_steps(rows), project="rope-patch-lm-eval", folder=config.output,
-                 config=settings)
+    with Trackers(config.report_to, project="rope-patch-lm-eval", folder=config.output, config=settings) as trackers:
+
+        def log_row(record: dict) -> None:  # a (method, task, length) run, the moment it finishes
+            steps = tracker_steps(summarize([record]))  # {length: {lm_eval/<task>/<metric>/<method>: score}}
+            trackers.log_finished_row({f"rows/{key}/{step}": v for step, values in steps.items()
+                                       for key, v in values.items()})
+
+        with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
+            records = evaluate_harness(
+                loaded.model, loaded.tokenizer, config.method, config.tasks, include_path=config.include_path,
+                max_length=window, batch_size=config.batch_size, limit=config.limit,
+                num_fewshot=config.num_fewshot, metadata=config.sweep_metadata(), output=config.output, store=store,
+                setup=config.setup(loaded), model_name=loaded.label, catalog=catalog, progress=config.progress,
+                engine=engine, on_row=log_row,
+            )
+        rows = add_difference_to_reference(summarize(records), native_length(loaded.model))
+        files = {}
+        if config.output is not None:
+            files = write_reports(rows, config.output, settings=settings, native_length=settings["native_length"])
+        trackers.log_table(tracker_steps(rows))
     return LmEvalResult(rows, records, files, settings)

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..eval.passkey import KEY_FIELDS, evaluate_passkey
 from ..eval.passkey_report import format_table, short_cost_table, tracker_steps, write_reports
-from ..tracking import report_steps
+from ..tracking import Trackers, metric_key
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -62,18 +62,24 @@ def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) 
     methods = len(method_entries(loaded.model, config.method))
     show_plan(passkey_plan(methods, config.lengths, len(config.depths), config.trials, config.max_new_tokens),
               loaded.model, "rope-patch passkey", progress=config.progress)
-    with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
-        records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
-                                   config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens, store=store,
-                                   setup=config.setup(loaded), progress=config.progress)
     settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
                 "lengths": config.lengths, "depths": config.depths, "trials": config.trials, "seed": config.seed,
                 "max_new_tokens": config.max_new_tokens, "dtype": loaded.dtype,
                 "native_length": native_length(loaded.model), "output": config.output,
                 "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
-    files = {}
-    if config.output is not None:
-        files = write_reports(records, config.output, settings=settings, native_length=settings["native_length"])
-    report_steps(config.report_to, tracker_steps(records, settings["native_length"]), project="rope-patch-passkey",
-                 folder=config.output, config=settings)
+    with Trackers(config.report_to, project="rope-patch-passkey", folder=config.output, config=settings) as trackers:
+
+        def log_row(row: dict) -> None:  # a (method, length) cell, the moment its last trial is answered
+            trackers.log_finished_row({metric_key("rows", "passkey_accuracy", row["method"], row["length"]):
+                                       row["accuracy"]})
+
+        with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
+            records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
+                                       config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens,
+                                       store=store, setup=config.setup(loaded), progress=config.progress,
+                                       on_row=log_row)
+        files = {}
+        if config.output is not None:
+            files = write_reports(records, config.output, settings=settings, native_length=settings["native_length"])
+        trackers.log_table(tracker_steps(records, settings["native_length"]))
     return PasskeyResult(records, files, settings)

@@ -96,7 +96,8 @@ class SweepConfig(JobConfig):
         if hasattr(self, "report_to"):
             from ...tracking import check_trackers
 
-            check_trackers(self.report_to)  # a tracker not installed: one line now, not after the run
+            if check_trackers(self.report_to) and getattr(self, "output", None) is None:  # one line now, not after
+                raise ConfigError("--report-to keeps the trackers' files under --output: give an output folder")
         check_kernels_available(self.kernels)
         check_offload(parse_device_map(self.device_map), self.offload_folder)
         if self.sequence_parallel < 1:
