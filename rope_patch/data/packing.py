@@ -118,6 +118,8 @@ class MixedSequences:
     def __init__(self, long: PackedSequences, short: PackedSequences, *, short_share: float, seed: int = 0):
         self.long, self.short, self.short_share, self.seed = long, short, float(short_share), seed
         self.seq_len = long.seq_len
+        # both streams pack the same documents (held-out part left out alike): what an eval of the folder leaves out
+        self.trained = list({d.id: d for d in [*long.trained, *short.trained]}.values())
 
     def __len__(self) -> int:
         return len(self.long)

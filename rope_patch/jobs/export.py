@@ -228,7 +228,8 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
              f"Written by `rope-patch export --engine {settings.engine}{retagged} --method '{config.method}'`. "
              f"The RoPE settings below make {engine} compute what rope_patch's patched model computes.", "",
              "Serve it:", "", "```bash", settings.serve_command, "```", ""]
-    original = (config.gguf or "ORIGINAL.gguf") if settings.engine == "llama.cpp" else str(model_path(config.model))
+    original = ((config.gguf or "ORIGINAL.gguf") if settings.engine == "llama.cpp"
+                else str(config.model or model_path(None)))  # a name as given: the README names it, loads nothing
     alternative = override_command(settings.engine, original, settings)
     if alternative:
         lines += ["Or serve the original model with the same settings given at load time:", "", "```bash",

@@ -84,10 +84,12 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         if config.dtype == "auto" and os.environ.get("ACCELERATE_MIXED_PRECISION"):
             mixed = None  # an `accelerate launch` config chose already
         accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
-                                  step_scheduler_with_optimizer=False,
-                                  log_with=accelerate_trackers(check_trackers(config.report_to), project="finetune",
-                                                               folder=Path(config.output)) or None,
-                                  project_dir=config.output, kwargs_handlers=process_group_kwargs())
+                                  step_scheduler_with_optimizer=False, project_dir=config.output,
+                                  kwargs_handlers=process_group_kwargs())
+        trackers = check_trackers(config.report_to)
+        if trackers:  # made once the Accelerator has set up the processes: a tracker made first would make a
+            # one-process state of its own, and every process of `accelerate launch` would think it the main one
+            accelerator.log_with = accelerate_trackers(trackers, project="finetune", folder=Path(config.output))
         select_fsdp_on_cpu(accelerator)
         with StopRequest() as stop, output_lock(Path(config.output), accelerator):
             try:

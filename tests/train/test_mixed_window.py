@@ -53,7 +53,8 @@ def test_each_step_trains_short_sequences_unpatched_and_long_ones_patched(worksp
                       mixed_window=True, short_share=0.5, steps=8, lr=1e-10, warmup_steps=0, dtype="fp32",
                       output=str(tmp_path / "run"), gradient_checkpointing=False)
     tokenizer = AutoTokenizer.from_pretrained(workspace / "tiny")
-    sources = [PackedSequences.from_source(str(workspace / "corpus"), tokenizer, seq_len=n) for n in (LONG, NATIVE)]
+    sources = [PackedSequences.from_source(str(workspace / "corpus"), tokenizer, seq_len=n, hold_out=True)  # as finetune
+               for n in (LONG, NATIVE)]
     data = MixedSequences(*sources, short_share=0.5)
     original, method = oracle(workspace, None), oracle(workspace, YARN)
     kinds = []
