@@ -194,8 +194,11 @@ def test_the_example_commands_of_the_help_parse():
 
 
 def test_every_figure_of_the_docs_is_redrawn_by_the_figures_script():
-    """docs/*.png come from scripts/make_doc_figures.py, each from the run its page describes."""
+    """docs/*.png come from scripts/make_doc_figures.py, each from the run its page describes; the one screenshot,
+    of a dashboard, from the script that runs the job, the dashboard and the browser."""
     module = load_script("make_doc_figures")
     drawn = {name for runs in module.FIGURES.values() for _, _, names, _ in runs for name in names.values()}
+    screenshots = {"dashboard.png": ROOT / "scripts" / "make_dashboard_screenshot.sh"}
+    assert all("docs/" + name in path.read_text() for name, path in screenshots.items())
     shown = {name for page in PAGES for name in re.findall(r"\(((?:docs/)?[\w-]+\.png)\)", page.read_text())}
-    assert {Path(name).name for name in shown} <= drawn
+    assert {Path(name).name for name in shown} <= drawn | set(screenshots)
