@@ -168,10 +168,13 @@ def test_the_fine_tuned_model_reloads_through_rope_patch_with_identical_logits(w
     expected = logits(result.model)
     reloaded = rope_patch.from_pretrained(tmp_path / "run", dtype=torch.float32)
     assert rope_patch.current_patch(reloaded)["label"] == spec
-    torch.testing.assert_close(logits(reloaded), expected, rtol=1e-5, atol=1e-5)
+    # an adapter folder is reloaded unmerged (peft adds B·A·x beside W·x): summation-order noise, measured at 2.3e-6
+    # of the largest logit; a lost or wrong method moves them by over 1e-3
+    atol = 1e-5 * expected.abs().max().item() if extra.get("save_adapter") else 1e-5
+    torch.testing.assert_close(logits(reloaded), expected, rtol=1e-5, atol=atol)
     evaluated, _ = rope_patch.load_model(tmp_path / "run", device="cpu", dtype="fp32")  # what eval / lm-eval load
     assert rope_patch.current_patch(evaluated)["label"] == spec
-    torch.testing.assert_close(logits(evaluated), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(evaluated), expected, rtol=1e-5, atol=atol)
     if not extra.get("save_adapter"):  # plain transformers: the frequency half only, the attention method is not run
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "run", dtype=torch.float32)
         frequency, _, _ = split(spec)
