@@ -326,6 +326,9 @@ def save_final_model(accelerator, model, tokenizer, output: Path, *, lora: bool,
             if lora:  # the weights are whole in every process here: check_distributed refused sharded ones
                 model, save["state_dict"] = model.merge_and_unload(), None
             model.save_pretrained(temporary, **save)
+        # every process done with the temporary folder (save_pretrained makes it and looks in it on every process)
+        # before the main one moves it in and removes it: a slower process would find it gone
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             tokenizer.save_pretrained(temporary)
             readable_files(temporary)  # safetensors writes 0600: the files get save_pretrained's other modes
