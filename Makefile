@@ -63,6 +63,7 @@ check-engines: $(STAMP) vllm-env
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -e ".[engines]"
 	$(PY) scripts/check_engines.py --engine llama.cpp
 	$(PY) scripts/check_engines.py --engine llama.cpp-retag
+	$(PY) scripts/check_engines.py --engine llama.cpp-flags
 	$(PY) -m pytest -q -m engines tests/export
 	$(PY) scripts/check_engines.py --engine vllm
 

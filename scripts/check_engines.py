@@ -26,6 +26,17 @@ runs) and ``fp64`` (position × frequency and cos/sin in float64) diagnose a dis
     python scripts/check_engines.py --engine vllm
     python scripts/check_engines.py --engine llama.cpp --methods yarn:factor=2 --angles transformers
     python scripts/check_engines.py --engine llama.cpp-retag   # export --gguf: retagged files against llama.cpp
+    python scripts/check_engines.py --engine llama.cpp-flags   # export --print-args: the printed flags, as given
+
+``--engine llama.cpp-flags`` runs llama.cpp's own command-line parser on the flags ``rope-patch export --engine
+llama.cpp --print-args`` prints: ``scripts/llama_cpp/logprobs.cpp`` (rope-patch-logprobs) takes any llama.cpp option
+through ``common_params_parse``, as llama-cli and llama-server do, and writes per-token log-probabilities. It is built
+once with CMake against the llama.cpp source that llama-cpp-python (the engines extra's version) vendors, from that
+package's source distribution, or ``--llama-cpp-source DIR``. For each method with flags, the untouched embedded Q4_1
+file run with the printed flags must give the same log-probabilities, bit for bit, as the file retagged with the
+method (export --gguf) run with only the printed ``--ctx-size``; and the untouched file without the flags must give
+others (the check can fail). The default length, 9,216 tokens, is past the native 8,192: a context left at the trained
+size would refuse it.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -257,6 +269,126 @@ def retag_checks(model, tokenizer, ids: list[int], work: Path, summary: dict, su
     return ok
 
 
+FLAG_SPECS = RETAG_FLAG_SPECS  # every method llama.cpp takes as flags: linear, yarn, ntk (--rope-freq-base)
+LOGPROBS_TOOL = "rope-patch-logprobs"
+
+
+def engines_llama_cpp_version() -> str:
+    """llama-cpp-python's version: the one installed, else the engines extra's pin in pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError:
+        import tomllib
+
+        pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["engines"]
+        return next(p.split("==")[1] for p in pins if p.startswith("llama-cpp-python=="))
+
+
+def llama_cpp_source(folder: Path) -> Path:
+    """llama.cpp's source as llama-cpp-python vendors it, from that package's source distribution (pip download:
+    pip's own configuration picks the index), unpacked under ``folder`` once."""
+    import tarfile
+
+    version = engines_llama_cpp_version()
+    source = folder / f"llama-cpp-python-{version}" / "vendor" / "llama.cpp"
+    if (source / "CMakeLists.txt").is_file():
+        return source
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest",
+                    str(folder), f"llama-cpp-python=={version}"], check=True)
+    (archive,) = folder.glob(f"llama_cpp_python-{version}.tar.gz")
+    unpacked = folder / f".unpack-{os.getpid()}"
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    (top,) = unpacked.iterdir()
+    os.replace(top, folder / f"llama-cpp-python-{version}")
+    unpacked.rmdir()
+    return source
+
+
+def logprobs_tool(build_root: Path, source: Path | None) -> Path:
+    """rope-patch-logprobs, configured and built with CMake (scripts/llama_cpp) once per llama.cpp source."""
+    source = source or llama_cpp_source(build_root / "source")
+    build = build_root / f"build-{file_stem(str(source.resolve()))}"
+    tool = build / LOGPROBS_TOOL
+    if tool.is_file():
+        return tool
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", str(ROOT / "scripts" / "llama_cpp"), "-B", str(build), *generator,
+                    "-DCMAKE_BUILD_TYPE=Release", f"-DLLAMA_CPP_SOURCE={source.resolve()}"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", LOGPROBS_TOOL, "-j", str(os.cpu_count() or 1)],
+                   check=True)
+    return tool
+
+
+def tool_logprobs(tool: Path, gguf: Path, flags: list[str], ids: list[int], work: Path) -> np.ndarray:
+    """log p(token i | tokens < i), i = 1 … N−1 [N-1], from llama.cpp's own parser and forward: ``flags`` are
+    llama.cpp options as a user types them; batches of 512 with every position's logits, in every run alike."""
+    tokens, out = work / "tokens.i32", work / "logprobs.f32"
+    np.asarray(ids, dtype=np.int32).tofile(tokens)
+    out.unlink(missing_ok=True)
+    command = [str(tool), str(tokens), str(out), "--", "-m", str(gguf), *flags, "--batch-size", "512",
+               "--ubatch-size", "512", "--threads", str(os.cpu_count() or 1)]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        last = [line for line in run.stderr.splitlines() if line.strip()][-3:]
+        raise RuntimeError(f"{' '.join(command)} exited with {run.returncode}: " + " / ".join(last))
+    values = np.fromfile(out, dtype=np.float32).astype(np.float64)
+    assert values.shape == (len(ids) - 1,), values.shape
+    return values
+
+
+def printed_flags(spec: str) -> list[str]:
+    """The llama.cpp options ``rope-patch export --engine llama.cpp --method SPEC --print-args`` prints, read back
+    from its text: the serving line's words after ``llama-server -m ORIGINAL.gguf``."""
+    import shlex
+
+    printed = str(rope_patch.run_export(engine="llama.cpp", method=spec, print_args=True))
+    line = next(line for line in printed.splitlines() if line.startswith("llama-server "))
+    words = shlex.split(line)
+    assert words[1:3] == ["-m", "ORIGINAL.gguf"], words
+    return words[3:]
+
+
+def flags_checks(ids: list[int], work: Path, summary: dict, summary_path: Path, tool: Path,
+                 only: list[str] | None = None) -> bool:
+    """The printed flags on the untouched Q4_1 file against the file retagged with the method, through llama.cpp's
+    own parser (see the module's docstring): the same log-probabilities, bit for bit, and the flags move them."""
+    from rope_patch.export.gguf import plan_retag, retag_gguf
+    from rope_patch.loading import default_gguf_path
+
+    original, ok = default_gguf_path(), True
+    for spec in FLAG_SPECS:
+        if only and spec not in only:
+            continue
+        start = time.perf_counter()
+        flags = printed_flags(spec)
+        context = ["--ctx-size", flags[flags.index("--ctx-size") + 1]]
+        retag_gguf(plan_retag(original, spec), work / "retag.gguf")
+        retagged = tool_logprobs(tool, work / "retag.gguf", context, ids, work)
+        flagged = tool_logprobs(tool, original, flags, ids, work)
+        untouched = tool_logprobs(tool, original, context, ids, work)
+        same = bool(np.array_equal(retagged, flagged))
+        moved = float(np.abs(untouched - flagged).max())
+        ok &= same and moved > 1e-3
+        row = {"check": f"Q4_1 untouched + printed flags vs retagged {spec}", "flags": flags, "tokens": len(ids),
+               "bit_equal": same, "max_abs_delta": float(np.abs(retagged - flagged).max()),
+               "max_abs_delta_without_flags": moved, "perplexity_flags": float(np.exp(-flagged.mean())),
+               "perplexity_retagged": float(np.exp(-retagged.mean())),
+               "perplexity_without_flags": float(np.exp(-untouched.mean())),
+               "seconds": round(time.perf_counter() - start, 1)}
+        summary[f"flags:{spec}:{len(ids)}"] = row
+        write_json(summary_path, summary)
+        print(f"{spec}: llama.cpp {' '.join(flags)} on the untouched file: {'bit-equal' if same else 'DIFFERENT'} "
+              f"to the retagged file (max |Δ log p| {row['max_abs_delta']:.2e}; perplexity "
+              f"{row['perplexity_flags']:.5f} against {row['perplexity_retagged']:.5f}); without the flags max "
+              f"|Δ log p| {moved:.3f}", flush=True)
+    (work / "retag.gguf").unlink(missing_ok=True)
+    return ok
+
+
 def fp64_angles(model, rotary, positions: torch.Tensor, work: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, d/2] from the module's fp32 frequencies, position × frequency and cos/sin in float64."""
     rotary(torch.zeros(1), positions[None])  # the patch writes the method's frequencies in on a forward
@@ -364,13 +496,17 @@ def cached(path: Path, compute: Callable[[], np.ndarray]) -> tuple[np.ndarray, f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=[*sorted(ENGINE_LOGPROBS), "llama.cpp-retag"],
+    parser.add_argument("--engine", choices=[*sorted(ENGINE_LOGPROBS), "llama.cpp-retag", "llama.cpp-flags"],
                         required="--engine-side" not in sys.argv)
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--length", type=int, default=12288)
     parser.add_argument("--document", default="argparse.py")
     parser.add_argument("--f32-length", type=int, help="llama.cpp-retag: tokens of the f32 comparisons (default: "
                         "--length)")
+    parser.add_argument("--flags-length", type=int, default=9216,
+                        help="llama.cpp-flags: tokens of each run (past the native 8,192)")
+    parser.add_argument("--llama-cpp-source", type=Path, help="llama.cpp-flags: a llama.cpp source folder to build "
+                        "rope-patch-logprobs against (default: llama-cpp-python's vendored one)")
     parser.add_argument("--angles", choices=["engine", "transformers", *ANGLES], default="engine",
                         help="rotary angles of the rope_patch side: the engine's own arithmetic (default; the check "
                              "passes or fails on it), or another, for a diagnosis (see the module's docstring)")
@@ -389,6 +525,11 @@ def main() -> int:
     summary_path = work / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     model, tokenizer = rope_patch.load_default_model(dtype="fp32", device="cpu")
+    if args.engine == "llama.cpp-flags":
+        tool = logprobs_tool(Path(args.output) / "llama_cpp_tool", args.llama_cpp_source)
+        ids = document_ids(tokenizer, args.document, args.flags_length)
+        return 0 if flags_checks(ids, work, summary, summary_path, tool,
+                                 None if args.methods == METHODS else args.methods) else 1
     ids = document_ids(tokenizer, args.document, args.length)
     if args.engine == "llama.cpp-retag":
         return 0 if retag_checks(model, tokenizer, ids, work, summary, summary_path,

@@ -6,13 +6,14 @@ first so a CPU that cannot finish still fills the most cells:
 
 1. ``eval``     perplexity at 2,048, 8,192 and 16,384 of none, yarn ×2 and the perplexity-searched LongRoPE
                 (``configs/search/smollm2_16k_best.json``) on the held-out ``_pydecimal.py`` (fp32, truncate protocol);
-2. ``search``   ``rope-patch search --objective needle`` with the budget and seed of the perplexity search
-                (``configs/search/smollm2_16k.yaml``: 32 candidates, population 8, parents 4, 2 + 2 per iteration, on
-                the same held-in document), the critical dimension on;
+2. ``search``   ``rope-patch search --objective needle`` with the seed, population (8, parents 4, 2 + 2 per
+                iteration) and held-in document of the perplexity search (``configs/search/smollm2_16k.yaml``), the
+                critical dimension on, and ``--candidates`` (16: half that search's 32, one 16k forward each);
 3. ``eval``     the needle-searched factors, the same cells;
-4. ``passkey``  at 16,384, depths 0.2/0.4/0.6/0.8, ``--trials`` keys each (20 by default: 80 prompts per method);
-5. ``finetune`` a short ``finetune --mixed-window`` from the needle-searched factors, then its checkpoint (as loaded:
-                original RoPE up to 8,192, the factors beyond) through the eval and passkey cells.
+4. ``passkey``  at 16,384, depths 0.2/0.4/0.6/0.8, ``--trials`` keys each (5 by default: 20 prompts per method);
+5. ``finetune`` a short ``finetune --mixed-window`` (``--finetune-steps``, 4) from the needle-searched factors, then
+                its checkpoint (as loaded: original RoPE up to 8,192, the factors beyond) through the eval and passkey
+                cells.
 
     python scripts/compare_longrope2.py                       # everything missing, then the table
     python scripts/compare_longrope2.py --stage eval          # one stage
@@ -106,22 +107,23 @@ def run_passkey(specs: list[str], args, model: Path | None = None) -> None:
 def run_search(args) -> None:
     from rope_patch.jobs.search import run_search as search_job
 
-    print(search_job(**SEARCH, dataset=str(heldin_document(args.output)), heldout_documents=0, objective="needle",
-                     critical_dimension="on", output=str(args.output / "search-needle"), progress=args.progress),
-          flush=True)
+    print(search_job(**(SEARCH | {"candidates": args.candidates}), dataset=str(heldin_document(args.output)),
+                     heldout_documents=0, objective="needle", critical_dimension="on",
+                     output=str(args.output / "search-needle"), progress=args.progress), flush=True)
 
 
 def run_finetune(args) -> None:
     """The needle-searched factors with attention factor 1 (transformers' longrope applies it at every length, so the
     mixed window refuses any other), short sequences of 8,192 tokens with the original RoPE for half the
-    micro-batches, long ones of 16,384 for the rest; _pydecimal.py kept out of training."""
+    micro-batches, long ones of 16,384 for the rest; one warm-up step (a short run would otherwise train at a tenth
+    of the learning rate throughout); _pydecimal.py kept out of training."""
     from rope_patch.jobs.finetune import finetune
 
     spec = json.loads(Path(needle_spec(args.output)[1:]).read_text()) | {"attention_factor": 1.0}
     mixed = args.output / "mixed_method.json"
     mixed.write_text(json.dumps(spec, indent=1) + "\n")
     print(finetune(method=f"@{mixed}", mixed_window=True, short_share=0.5, seq_len=TARGET,
-                   steps=args.finetune_steps, exclude_documents=["_pydecimal.py"], dtype="fp32",
+                   steps=args.finetune_steps, warmup_steps=1, exclude_documents=["_pydecimal.py"], dtype="fp32",
                    output=str(args.output / "finetune-mixed"), progress=args.progress), flush=True)
 
 
@@ -187,8 +189,11 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=Path("runs/compare-longrope2"))
     parser.add_argument("--stage", choices=("all", "eval", "search", "passkey", "finetune"), default="all")
     parser.add_argument("--table-only", action="store_true", help="print and write the table from the stores, no run")
-    parser.add_argument("--trials", type=int, default=20, help="passkey keys per depth at 16,384 (4 depths)")
-    parser.add_argument("--finetune-steps", type=int, default=20, help="steps of the mixed-window fine-tune")
+    parser.add_argument("--trials", type=int, default=5, help="passkey keys per depth at 16,384 (4 depths: 20 in all)")
+    parser.add_argument("--candidates", type=int, default=16,
+                        help="needle search budget: 16 (population 8, then 2 iterations of 2 + 2; half the perplexity "
+                             "search's 32, so that it fits a CPU session)")
+    parser.add_argument("--finetune-steps", type=int, default=4, help="steps of the mixed-window fine-tune")
     parser.add_argument("--progress", action="store_true", help="progress bars")
     args = parser.parse_args()
     out = args.output
