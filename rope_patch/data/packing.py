@@ -103,6 +103,10 @@ class PackedSequences:
         start = step * batch_size * grad_accum * ranks + (micro * ranks + rank) * batch_size
         return range(start, start + batch_size)
 
+    def micro_len(self, step: int, micro: int, rank: int, ranks: int, grad_accum: int) -> int:
+        """Tokens per sequence of one process's micro-batch: ``seq_len`` at every micro-step."""
+        return self.seq_len
+
     def batch(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
         """The (batch_size, seq_len) int64 input ids that process ``rank`` trains on at this micro-step."""
         rows = [self.sequence(p) for p in self.positions(step, micro, rank, ranks, batch_size, grad_accum)]
@@ -139,6 +143,10 @@ class MixedSequences:
                 f"(original RoPE), the rest of {self.long.seq_len:,} (the method's); {self.long.describe()}")
 
     positions = staticmethod(PackedSequences.positions)
+
+    def micro_len(self, step: int, micro: int, rank: int, ranks: int, grad_accum: int) -> int:
+        """Tokens per sequence of one process's micro-batch: the short length or the long one."""
+        return (self.short if self.is_short(step, micro, rank, ranks, grad_accum) else self.long).seq_len
 
     def batch(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
         """(batch_size, short or long seq_len) int64 input ids of one process's micro-batch."""

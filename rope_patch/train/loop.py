@@ -78,7 +78,8 @@ def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, positio
                      plain: bool = False, head_loss: HeadLoss | None = None) -> torch.Tensor:
     """Mean next-token loss of a micro-batch ``input_ids`` (B, L), without full-vocabulary logits
     (``rope_patch.loss.causal_lm_loss``). Every micro-batch scores B × (L − 1) tokens, so accelerate's division by
-    the accumulation steps and DDP's mean over processes make it exactly the mean over the optimizer step's tokens.
+    the accumulation steps and DDP's mean over processes make it exactly the mean over the optimizer step's tokens;
+    with ``--mixed-window`` it is the mean of the micro-batches' means (a short micro-batch weighs as a long one).
 
     ``plain``: the model's own loss, for FSDP and DeepSpeed ZeRO-3, whose output head is whole only inside the
     model's forward pass. ``head_loss``: a fused linear cross-entropy kernel for the output head (``--kernels``).
@@ -105,7 +106,6 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
     layout = layout or SequenceLayout.of(1, accelerator.process_index, accelerator.num_processes)
     ranks, rank = layout.replicas, layout.replica  # the processes of a sequence group train on the same sequences
     plain_loss = params_sharded(accelerator)
-    tokens_per_step = config.batch_size * config.grad_accum * ranks * config.seq_len
     losses: dict[int, float] = {}
     bar = tqdm(total=config.steps, initial=progress.step, desc="finetune", unit="step",
                disable=not accelerator.is_local_main_process or not config.progress)
@@ -138,7 +138,10 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
         losses[progress.step] = accelerator.reduce(step_loss, reduction="mean").item()
         bar.update(1)
         bar.set_postfix(loss=f"{losses[progress.step]:.4f}")
-        log.record(progress.step, losses[progress.step], lr, tokens_per_step, time.perf_counter() - started,
+        # the step's tokens over every replica (a mixed window's short micro-batches are shorter)
+        tokens = config.batch_size * sum(data.micro_len(step, micro, r, ranks, config.grad_accum)
+                                         for micro in range(config.grad_accum) for r in range(ranks))
+        log.record(progress.step, losses[progress.step], lr, tokens, time.perf_counter() - started,
                    write=progress.step % config.log_every == 0 or progress.step == config.steps)
         saved = None
         if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:

@@ -57,14 +57,18 @@ def test_each_step_trains_short_sequences_unpatched_and_long_ones_patched(worksp
                for n in (LONG, NATIVE)]
     data = MixedSequences(*sources, short_share=0.5)
     original, method = oracle(workspace, None), oracle(workspace, YARN)
-    kinds = []
+    kinds, lengths = [], []
     for step, trained in result.losses.items():
         ids = data.batch(step - 1, 0, 0, 1, 1, 1)  # (1, 64 or 128)
         short = ids.shape[1] == NATIVE
         kinds.append(short)
+        lengths.append(ids.shape[1])
         expected, other = (loss(original, ids), loss(method, ids))[::1 if short else -1]
         assert trained == pytest.approx(expected, abs=1e-5) and abs(other - expected) > 1e-3, step  # told apart
     assert any(kinds) and not all(kinds)  # both kinds in one run
+    # the log counts each step's own tokens: a short step is not counted as a long one
+    log = [line.split(",") for line in (Path(result.output) / "train_log.csv").read_text().splitlines()[1:]]
+    assert [int(row[4]) for row in log] == [sum(lengths[: int(row[0])]) for row in log]
 
     saved = AutoModelForCausalLM.from_pretrained(result.output, dtype=torch.float32).eval()
     assert saved.config.rope_parameters["rope_type"] == "longrope"
