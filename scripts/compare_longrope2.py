@@ -46,6 +46,11 @@ def needle_spec(output: Path) -> str:
     return f"@{output / 'search-needle' / 'best_method.json'}"
 
 
+def start_spec(output: Path) -> str:
+    """The needle-searched factors with attention factor 1: what the mixed-window fine-tune starts from."""
+    return f"@{output / 'mixed_method.json'}"
+
+
 def finetuned(output: Path) -> Path:
     """The fine-tune's output folder: the final model is saved there (config.json once finished)."""
     return output / "finetune-mixed"
@@ -56,6 +61,7 @@ def rows(output: Path) -> list[tuple[str, str, Path | None]]:
     return [("none", "none", None), ("yarn x2", "yarn:factor=2", None),
             ("LongRoPE, perplexity-searched", PPL_SEARCHED, None),
             ("LongRoPE2, needle-searched", needle_spec(output), None),
+            ("needle-searched, attention factor 1 (the fine-tune's start)", start_spec(output), None),
             ("needle-searched + mixed-window fine-tune", "as-loaded", finetuned(output))]
 
 
@@ -120,9 +126,9 @@ def run_finetune(args) -> None:
     from rope_patch.jobs.finetune import finetune
 
     spec = json.loads(Path(needle_spec(args.output)[1:]).read_text()) | {"attention_factor": 1.0}
-    mixed = args.output / "mixed_method.json"
+    mixed = Path(start_spec(args.output)[1:])
     mixed.write_text(json.dumps(spec, indent=1) + "\n")
-    print(finetune(method=f"@{mixed}", mixed_window=True, short_share=0.5, seq_len=TARGET,
+    print(finetune(method=start_spec(args.output), mixed_window=True, short_share=0.5, seq_len=TARGET,
                    steps=args.finetune_steps, warmup_steps=1, exclude_documents=["_pydecimal.py"], dtype="fp32",
                    output=str(args.output / "finetune-mixed"), progress=args.progress), flush=True)
 
@@ -212,6 +218,7 @@ def main() -> int:
         if stage in ("all", "finetune") and Path(needle_spec(out)[1:]).is_file():
             if not (finetuned(out) / "config.json").is_file():
                 run_finetune(args)
+            run_eval([start_spec(out)], args)
             run_eval(["as-loaded"], args, model=finetuned(out))
             run_passkey(["as-loaded"], args, model=finetuned(out))
     table = measured(out)
