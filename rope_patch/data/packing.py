@@ -144,11 +144,14 @@ class MixedSequences:
 
     positions = staticmethod(PackedSequences.positions)
 
+    def stream(self, step: int, micro: int, rank: int, ranks: int, grad_accum: int) -> PackedSequences:
+        """The sequences one process's micro-batch reads: the short ones or the long ones."""
+        return self.short if self.is_short(step, micro, rank, ranks, grad_accum) else self.long
+
     def micro_len(self, step: int, micro: int, rank: int, ranks: int, grad_accum: int) -> int:
         """Tokens per sequence of one process's micro-batch: the short length or the long one."""
-        return (self.short if self.is_short(step, micro, rank, ranks, grad_accum) else self.long).seq_len
+        return self.stream(step, micro, rank, ranks, grad_accum).seq_len
 
     def batch(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
         """(batch_size, short or long seq_len) int64 input ids of one process's micro-batch."""
-        data = self.short if self.is_short(step, micro, rank, ranks, grad_accum) else self.long
-        return data.batch(step, micro, rank, ranks, batch_size, grad_accum)
+        return self.stream(step, micro, rank, ranks, grad_accum).batch(step, micro, rank, ranks, batch_size, grad_accum)
