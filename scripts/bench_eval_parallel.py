@@ -12,7 +12,6 @@ peak RSS (``ru_maxrss``) after the job.
 
 from __future__ import annotations
 
-import _pydecimal
 import argparse
 import json
 import os
@@ -24,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from rope_patch.data.documents import stdlib_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -41,7 +42,7 @@ def build(folder: Path, native: int) -> None:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder / "model")
     char_tokenizer().save_pretrained(folder / "model")
     (folder / "corpus").mkdir()
-    (folder / "corpus" / "pydecimal.txt").write_text(Path(_pydecimal.__file__).read_text())
+    (folder / "corpus" / "pydecimal.txt").write_text(next(d.text for d in stdlib_corpus() if d.id == "_pydecimal.py"))
 
 
 def child(settings: dict) -> None:

@@ -12,7 +12,6 @@ launch`` (gloo on CPU), 1 process as a plain Python process, each with ``--threa
 
 from __future__ import annotations
 
-import _pydecimal
 import argparse
 import os
 import platform
@@ -25,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from rope_patch.data.documents import stdlib_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = dict(hidden_size=256, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
@@ -103,7 +104,7 @@ def main() -> None:
         return worker(args)
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(Path(tmp) / "model")
-        (Path(tmp) / "pydecimal.txt").write_text(Path(_pydecimal.__file__).read_text())
+        (Path(tmp) / "pydecimal.txt").write_text(next(d.text for d in stdlib_corpus() if d.id == "_pydecimal.py"))
         rows = {n: launch(n, folder, Path(tmp) / f"run{n}", args) for n in (1, 2)}
     peaks = {n: [float(re.search(r"gib=([\d.]+)", line).group(1)) for line in lines] for n, lines in rows.items()}
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}; {args.seq_len:,} tokens, "

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
-import _pydecimal
 
+from rope_patch.data.documents import stdlib_corpus
 from rope_patch.methods import METHODS as REGISTERED
 
 # (row name, method spec); parameters as in configs/eval/attention_methods.yaml, factor 2 for a 2× target
@@ -62,7 +61,7 @@ def document(output: Path) -> Path:
     path = output / "_pydecimal.txt"
     if not path.exists():
         output.mkdir(parents=True, exist_ok=True)
-        shutil.copy(_pydecimal.__file__, path)
+        path.write_text(next(d.text for d in stdlib_corpus() if d.id == "_pydecimal.py"))  # the pinned snapshot
     return path
 
 

@@ -2,8 +2,9 @@
 
 Sources, all read through ``datasets``:
 
-* ``None`` / ``"stdlib"``: the embedded default corpus, built from the running interpreter's standard library, so
-  it needs no download: ``pydoc_data/topics.py`` joined into one prose document and the largest modules as code.
+* ``None`` / ``"stdlib"``: the embedded default corpus, a fixed snapshot of CPython 3.11.7's standard library
+  shipped with the package (``stdlib_corpus/``, CPython's license beside it), so it needs no download and is the
+  same text on every Python: ``pydoc_data/topics.py`` joined into one prose document and the largest modules as code.
 * a local ``.txt`` file (one document), ``.jsonl``/``.json``/``.parquet`` file (one row, one document), or a
   folder of such files (searched recursively, in sorted order);
 * a hub data set name, with ``split``, ``text_field`` and an optional ``subset`` (configuration name).
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
-import sysconfig
+import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,30 @@ DEFAULT_CORPUS = "stdlib"
 HELD_OUT_STDLIB = ("_pydecimal.py", "datetime.py", "subprocess.py")
 LOCAL_HELD_OUT_SHARE = 4  # a local corpus of n >= 2 documents holds out n // 4 of them (at least one), chosen by hash
 STDLIB_MODULES = 16  # the largest modules of the standard library join the prose document as code
+# The snapshot (scripts/make_stdlib_corpus.py builds it from CPython 3.11.7) and the SHA-256 of each document's UTF-8
+# text, in corpus order: the corpus, its train/test split and every table measured on it do not move with the Python
+# that runs rope_patch (on 3.12 and 3.13, datetime.py is a 268-byte shim over _pydatetime.py).
+SNAPSHOT = Path(__file__).with_name("stdlib_corpus") / "corpus.tar.xz"
+STDLIB_VERSION = "3.11.7"
+STDLIB_SHA256 = {
+    "pydoc_data/topics.py": "9c833bcb8e5e15369c90c849f3bf068872121191d4feab3cc75f1607d6c63661",
+    "_pydecimal.py": "14cf1bf7ead78a0beb578f19ebc4ec82f542e0879f5b77d327f01abf74591586",
+    "turtle.py": "787af385d6d4417aac8b686e8d5f49ce4afd7d1d09bde685bb378ed6ecc4fb7d",
+    "inspect.py": "d55ac82f84e5c93953e9f5852ec255957e6c12f47d5cc0ea456447319da0f5af",
+    "typing.py": "115d96e966bf35cf97126f98dd1fa854a00dd832733fc01ede58cfd4fa490660",
+    "pydoc.py": "3c49fe7c6361c6c23e17a54dcd07ac74256d39f5b69a2cde3d9ad72c8f7bfe84",
+    "tarfile.py": "d6957647c11b6592e58e37d4e9f02f6cf9ee695cb0653b1072b542b8afac700d",
+    "doctest.py": "5a51c6698376a872a78052b31a95b675339a4d82ad33e28477fc5fb1af826ec0",
+    "argparse.py": "dc1eba8adfdf615986421f981337458ba1072d3e718a0f76e3224940fd74118b",
+    "_pyio.py": "f22f010af7d96fa7fc3b69e52ca2d832c9a8b83350cf36c38da39ba9a5040f72",
+    "pickletools.py": "bcc8d00ebadd684aba19169e853e6f23bc36d609ae0c8119912f1e39e9f0c1e9",
+    "zipfile.py": "2de79ca464499be92e607a59552b4cb9cf8a9f6e000622b3673a98471c976a57",
+    "datetime.py": "cc9bcb0f1c2f44e1a6cd51882979e113e973c2e65ed84b9aaedabb48d47aa356",
+    "subprocess.py": "2ff641d58f8696496e8718538cd96cd7afcd503ae271fb23da22422b3aee9fc7",
+    "difflib.py": "0c6afc23568d55b3e9ac914f9c5361e3033e778aa5b58d3cc82835fc5c638679",
+    "locale.py": "ac828df41b2fac93ba3e66a2735216c98c0e1853b8dfb9b859e301fe64153feb",
+    "enum.py": "84fc683aa71da233cf0f6a1bd59ffedc2bc7adb3a40f9339052141176071b6d6",
+}
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -99,15 +125,27 @@ def held_out_ids(source: str | os.PathLike | None, documents: Sequence[Document]
 
 
 def stdlib_corpus() -> list[Document]:
-    """The embedded default corpus: pydoc's topic help as one prose document, then the largest stdlib modules."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    from pydoc_data.topics import topics
+    """The embedded default corpus: pydoc's topic help as one prose document, then the 16 largest modules of CPython
+    3.11.7's standard library, read from the snapshot shipped with the package and checked against the pinned hashes
+    (a damaged or edited install is refused in one line, never a different corpus)."""
+    try:
+        with tarfile.open(SNAPSHOT, mode="r:xz") as archive:
+            stored = {member.name: archive.extractfile(member).read() for member in archive.getmembers()
+                      if member.isfile() and member.name in STDLIB_SHA256}
+    except (OSError, tarfile.TarError, EOFError, lzma.LZMAError) as error:
+        raise DataError(f"the embedded corpus {str(SNAPSHOT)!r} cannot be read ({type(error).__name__}): "
+                        "reinstall rope_patch") from None
+    for name, expected in STDLIB_SHA256.items():
+        if hashlib.sha256(stored.get(name, b"")).hexdigest() != expected:
+            raise DataError(f"the embedded corpus {str(SNAPSHOT)!r} has a damaged or missing {name!r}: "
+                            "reinstall rope_patch")
+    return [Document(name, stored[name].decode("utf-8")) for name in STDLIB_SHA256]
 
-    prose = "\n\n".join(f"{name}\n{'=' * len(name)}\n\n{topics[name]}" for name in sorted(topics))
-    documents = [Document("pydoc_data/topics.py", prose)]
-    modules = sorted(stdlib.glob("*.py"), key=lambda p: (-p.stat().st_size, p.name))[:STDLIB_MODULES]
-    documents += [Document(p.name, p.read_text(encoding="utf-8")) for p in modules]
-    return documents
+
+def topics_prose(topics: dict[str, str]) -> str:
+    """pydoc's topic help (``pydoc_data.topics.topics``) as the corpus's prose document: topics sorted by name, each
+    under an underlined heading."""
+    return "\n\n".join(f"{name}\n{'=' * len(name)}\n\n{topics[name]}" for name in sorted(topics))
 
 
 def _load_local(path: Path, text_field: str) -> list[Document]:
