@@ -603,6 +603,12 @@ def agreed_failure(accelerator, message: str | None) -> str | None:
     return next((m for m in gather_object([message]) if m is not None), None)
 
 
+def engine_words(layout: dict[str, Any]) -> str:
+    """``FSDP2 over 2 processes``, ``one process or DDP over 1 process``: a layout for a message."""
+    engine = {"replicated": "one process or DDP"}.get(layout.get("engine"), str(layout.get("engine"))[:40])
+    return f"{engine} over {layout['processes']} process{'' if layout['processes'] == 1 else 'es'}"
+
+
 def verify_checkpoint(accelerator, checkpoint: Checkpoint, state: TrainingState) -> None:
     """Before anything loads: every file's bytes against its SHA-256 (read by the main process, its answer shared),
     the layout against this launch's, and every file this launch reads listed. One ``ConfigError`` line."""
@@ -620,13 +626,9 @@ def verify_checkpoint(accelerator, checkpoint: Checkpoint, state: TrainingState)
                 break
     problem = agreed_failure(accelerator, problem)
     same = saved.get("engine") == layout["engine"] and saved["processes"] == layout["processes"]
-    if problem is None and layout["split"] and not same:
-        problem = (f"it was saved by {str(saved.get('engine'))[:40]} over {saved['processes']} processes, and this "
-                   f"launch's {layout['engine']} over {layout['processes']} splits the state differently: resume it "
-                   "with the launch that saved it")
-    elif problem is None and saved.get("engine") != layout["engine"]:
-        problem = (f"it was saved by {str(saved.get('engine'))[:40]} over {saved['processes']} processes, and this "
-                   f"launch is {layout['engine']}: resume it with the launch that saved it")
+    if problem is None and (not same if layout["split"] else saved.get("engine") != layout["engine"]):
+        problem = (f"it was saved by {engine_words(saved)}, and this launch is {engine_words(layout)}, which "
+                   "splits the state otherwise: resume it with the launch that saved it")
     if problem is None:
         needed = {name for rank in range(layout["processes"]) for part, name in
                   TrainingState.file_names(layout, rank).items() if part != "rng" or rank < saved["processes"]}
