@@ -33,14 +33,15 @@ from ..patching.attention import check_attention_dropout
 from ..patching.flex import attention_kernel
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
-from ..train.checkpoints import (check_distributed, check_output_checkpoints, newest_checkpoint, output_lock,
-                                 params_sharded, resume_checkpoint, save_final_model_resumably, write_failure)
+from ..train.checkpoints import (TrainingState, check_distributed, check_output_checkpoints, load_checkpoint,
+                                 newest_checkpoint, output_lock, params_sharded, resume_checkpoint,
+                                 save_final_model_resumably, write_failure)
 from ..train.interrupt import StopRequest, TrainingInterrupted
 from ..tracking import accelerate_trackers, check_trackers
 from ..train.log import TrainingLog
 from ..train.long_sequences import (check_long_sequence_options, describe, install_long_sequence_pieces,
                                     long_sequence_choice, mlp_refusal)
-from ..train.lora import add_lora, save_only_trainable_weights
+from ..train.lora import add_lora
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
 from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
@@ -166,8 +167,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
             "global_batch": config.batch_size * config.grad_accum * layout.replicas,
             "precision": f"{dtype} weights, mixed precision {accelerator.mixed_precision}"}
     check_output_checkpoints(output, key, resuming=bool(config.resume))  # before any work
-    checkpoint = resume_checkpoint(config.resume, output, key, notes=accelerator.is_main_process) if config.resume \
-        else None
+    checkpoint = resume_checkpoint(config.resume, output, key, notes=accelerator.is_main_process,
+                                   trust=config.trust_checkpoint) if config.resume else None
     model.config.use_cache = False
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
@@ -188,14 +189,10 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
         step, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.schedule))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     progress = TrainingProgress()
-    accelerator.register_for_checkpointing(progress)
-    if config.lora:
-        save_only_trainable_weights(accelerator)
-
+    state = TrainingState(accelerator, model, optimizer, scheduler, trainable_only=config.lora)  # LoRA: what trains
     if checkpoint is not None:
-        # LoRA checkpoints hold the trained weights only; DeepSpeed saves (and checks) its whole engine
-        strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": not config.lora}
-        accelerator.load_state(str(checkpoint.folder), **strict)
+        load_checkpoint(accelerator, checkpoint, state)
+        progress.step = checkpoint.step
         accelerator.print(f"resumed from {checkpoint.folder} at step {progress.step}")
     log = TrainingLog(output, accelerator, resume_step=progress.step if config.resume else 0)
     if accelerator.is_main_process:
@@ -218,17 +215,35 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     with preferred_attention(), attention_kernel(config.attention_kernel), sequence_parallel:
         try:
             losses = train(config, accelerator, model, optimizer, scheduler, data, progress, log,
-                           head_loss=head_loss_for(model), layout=layout, patched=patched, key=key, stop=stop)
+                           head_loss=head_loss_for(model), layout=layout, patched=patched, key=key, stop=stop,
+                           state=state)
         except BaseException as error:
             traceback.clear_frames(error.__traceback__)  # the loop's progress bar closes now, before any message
-            if not isinstance(error, KeyboardInterrupt) or isinstance(error, TrainingInterrupted):
+            stopped = interrupted(error, config, output, key, progress, accelerator)
+            if stopped is None:
                 raise
-            newest = newest_checkpoint(output, key)  # a second signal stopped at once: the last complete checkpoint
-            raise TrainingInterrupted(progress.step, config.steps, newest and newest.folder,
-                                      "latest" if newest else config.resume, accelerator.is_main_process) from error
-    long_pieces.remove()
-    remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
-    log.close()
-    final = save_final_model_resumably(accelerator, model, tokenizer, output, step=progress.step, key=key,
-                                       lora=config.lora, save_adapter=config.save_adapter)
+            raise stopped from error
+    try:
+        long_pieces.remove()
+        remove_kernels(accelerator.unwrap_model(model))  # the saved and returned model is plain transformers again
+        log.close()
+        final = save_final_model_resumably(accelerator, model, tokenizer, output, step=progress.step, key=key,
+                                           lora=config.lora, save_adapter=config.save_adapter, state=state)
+    except KeyboardInterrupt as error:  # a second signal in the final save: the last step's checkpoint finishes it
+        stopped = interrupted(error, config, output, key, progress, accelerator)
+        if stopped is None:
+            raise
+        raise stopped from error
     return FinetuneResult(output, losses, final, accelerator.is_main_process)
+
+
+def interrupted(error: BaseException, config: FinetuneConfig, output: Path, key: dict[str, Any],
+                progress: TrainingProgress, accelerator: Accelerator) -> TrainingInterrupted | None:
+    """A signal that stopped training or the final save at once (the second one), as ``TrainingInterrupted`` naming
+    the newest complete checkpoint and the ``--resume`` that continues from it (the same command where there is
+    none); None for any other error, raised as it is."""
+    if not isinstance(error, KeyboardInterrupt) or isinstance(error, TrainingInterrupted):
+        return None
+    newest = newest_checkpoint(output, key)
+    return TrainingInterrupted(progress.step, config.steps, newest and newest.folder,
+                               "latest" if newest else config.resume, accelerator.is_main_process)

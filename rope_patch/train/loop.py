@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ..data import PackedSequences, pose_batch
 from ..errors import ConfigError
 from ..loss import HeadLoss, causal_lm_loss
-from .checkpoints import params_sharded, save_checkpoint
+from .checkpoints import TrainingState, params_sharded, save_checkpoint
 from .interrupt import StopRequest, TrainingInterrupted
 from .log import TrainingLog
 from .sequence_parallel import SequenceLayout, shard_loss
@@ -46,16 +46,11 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
 
 class TrainingProgress:
     """What a checkpoint needs besides weights, optimizer, scheduler and RNG: the step (= the data position, since
-    the sequences of a step are a function of it). The run's key lives in the checkpoint's ``checkpoint.json``."""
+    the sequences of a step are a function of it). It is saved in the checkpoint's ``checkpoint.json``, with the
+    run's key."""
 
     def __init__(self) -> None:
         self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
 
 
 def forget_previous_jobs_accelerator() -> None:
@@ -96,14 +91,16 @@ def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, positio
 def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSequences, progress: TrainingProgress,
           log: TrainingLog, head_loss: HeadLoss | None = None, layout: SequenceLayout | None = None,
           patched: torch.nn.Module | None = None, key: dict[str, Any] | None = None,
-          stop: StopRequest | None = None) -> dict[int, float]:
+          stop: StopRequest | None = None, state: TrainingState | None = None) -> dict[int, float]:
     """Run optimizer steps until ``config.steps``; each runs ``config.grad_accum`` micro-steps of ``config.batch_size``
     sequences per data-parallel replica. ``config`` is the job's ``FinetuneConfig``.
     ``layout``: with sequence parallelism, the processes sharing each sequence (``patched``: the patched model inside
     the wrappers). ``key``: the run's key, written into each checkpoint. ``stop``: a signal asked to stop; the loop
-    saves a checkpoint at the end of the step and raises ``TrainingInterrupted``. Returns
-    ``{step: mean training loss}`` of the steps this call ran."""
+    saves a checkpoint at the end of the step and raises ``TrainingInterrupted``. ``state``: what a checkpoint
+    saves (default: ``model``, ``optimizer`` and ``scheduler``, every weight). Returns ``{step: mean training
+    loss}`` of the steps this call ran."""
     layout = layout or SequenceLayout.of(1, accelerator.process_index, accelerator.num_processes)
+    state = state or TrainingState(accelerator, model, optimizer, scheduler)
     ranks, rank = layout.replicas, layout.replica  # the processes of a sequence group train on the same sequences
     plain_loss = params_sharded(accelerator)
     losses: dict[int, float] = {}
@@ -145,11 +142,12 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
                    write=progress.step % config.log_every == 0 or progress.step == config.steps)
         saved = None
         if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
-            saved = save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints, key or {})
+            saved = save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints, key or {},
+                                    state)
         if stop is not None and progress.step < config.steps and stop.agreed(accelerator):
             bar.close()  # before the message the stop prints
             saved = saved or save_checkpoint(accelerator, Path(config.output), progress.step, config.keep_checkpoints,
-                                             key or {})
+                                             key or {}, state)
             raise TrainingInterrupted(progress.step, config.steps, saved, "latest", accelerator.is_main_process)
     bar.close()
     return losses

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import rope_patch.train.loop as loop
@@ -24,7 +23,7 @@ from rope_patch.cli import main as cli_main
 from rope_patch.cli import with_resume
 from rope_patch.errors import ConfigError
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
-from rope_patch.train.checkpoints import save_checkpoint
+from rope_patch.train.checkpoints import TrainingState, read_state, save_checkpoint
 from fault_injection import held_by_another_finetune, run_until_killed
 from tiny_models import write_training_workspace
 
@@ -170,15 +169,24 @@ def test_a_negative_number_of_checkpoints_to_keep_is_refused():
         FinetuneConfig(keep_checkpoints=-1)
 
 class StubAccelerator:
-    """What save_checkpoint asks of accelerate, for a checkpoint of one small file."""
+    """What save_checkpoint asks of accelerate."""
 
-    is_main_process, _models, _optimizers = True, [], []
+    is_main_process = True
 
     def wait_for_everyone(self) -> None:
         pass
 
-    def save_state(self, folder: str) -> None:
-        Path(folder).mkdir(parents=True, exist_ok=True)
+
+class StubState:
+    """A training state of one small file."""
+
+    def nbytes(self) -> int:
+        return 4
+
+    def layout(self) -> dict:
+        return {"engine": "replicated", "processes": 1, "split": [], "whole": []}
+
+    def write(self, folder: Path) -> None:
         (Path(folder) / "state.bin").write_bytes(b"0123")
 
 
@@ -186,9 +194,9 @@ def test_rotation_keeps_this_runs_newest_checkpoints_by_step_number(tmp_path):
     """Steps past 999,999 have seven digits: 'step-1000000' sorts before 'step-999999' as text."""
     run, other = {"lr": 0.001}, {"lr": 0.005}
     for step in (999_998, 999_999, 1_000_000):
-        save_checkpoint(StubAccelerator(), tmp_path, step, 0, run)
-    save_checkpoint(StubAccelerator(), tmp_path, 5, 0, other)  # another run's, which rotation must never touch
-    save_checkpoint(StubAccelerator(), tmp_path, 1_000_001, 2, run)
+        save_checkpoint(StubAccelerator(), tmp_path, step, 0, run, StubState())
+    save_checkpoint(StubAccelerator(), tmp_path, 5, 0, other, StubState())  # another run's: rotation never touches it
+    save_checkpoint(StubAccelerator(), tmp_path, 1_000_001, 2, run, StubState())
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert left == ["step-000005", "step-1000000", "step-1000001"]
     assert json.loads((tmp_path / "checkpoints" / "step-000005" / "checkpoint.json").read_text())["key"] == other
@@ -196,23 +204,22 @@ def test_rotation_keeps_this_runs_newest_checkpoints_by_step_number(tmp_path):
 
 def test_a_full_disk_leaves_the_previous_checkpoints_and_says_so_in_one_line(workspace, tmp_path, capsys,
                                                                              monkeypatch):
-    real_save_state = Accelerator.save_state
+    real_write = TrainingState.write
 
-    def full_at_step_3(self, folder, *args, **kwargs):
+    def full_at_step_3(self, folder):
         if Path(folder).name.endswith("3"):
-            Path(folder).mkdir(parents=True, exist_ok=True)
             (Path(folder) / "model.safetensors").write_bytes(b"half")
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save_state(self, folder, *args, **kwargs)
+        return real_write(self, folder)
 
-    monkeypatch.setattr(Accelerator, "save_state", full_at_step_3)
+    monkeypatch.setattr(TrainingState, "write", full_at_step_3)
     output = tmp_path / "b"
     assert cli_main(argv(workspace, output)) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("rope-patch finetune: error: no space left") and str(output / "checkpoints") in error
     assert "MiB" in error and "--resume latest" in error
     assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
-    monkeypatch.setattr(Accelerator, "save_state", real_save_state)
+    monkeypatch.setattr(TrainingState, "write", real_write)
     assert cli_main(argv(workspace, output) + ["--resume", "latest"]) == 0  # the kept checkpoints resume
 
 
@@ -277,20 +284,18 @@ def test_an_interrupt_prints_the_command_that_resumes_to_the_uninterrupted_weigh
 # --- kill -9 at random points -----------------------------------------------------------------------------------
 
 
-ACCELERATE_STATE = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
-                    "custom_checkpoint_0.pkl"}  # what accelerate's save_state writes for one process
+STATE_FILES = {"model.safetensors", "optimizer.safetensors", "scheduler.safetensors", "rng-00000.safetensors"}
 
 
 def complete_steps(output: Path) -> set[str]:
-    """The visible step folders, each checked to hold every file of accelerate's state, each one readable."""
+    """The visible step folders, each checked to hold every file of a one-process state, each one readable."""
     root = output / "checkpoints"
     visible = {p.name for p in root.iterdir() if p.name.startswith("step-")} if root.is_dir() else set()
     for step in visible:
         folder = root / step
-        assert ACCELERATE_STATE <= {p.name for p in folder.iterdir()}, f"{step} is visible but incomplete"
-        load_file(folder / "model.safetensors")
-        for name in ACCELERATE_STATE - {"model.safetensors"}:
-            torch.load(folder / name, weights_only=False)
+        assert STATE_FILES <= {p.name for p in folder.iterdir()}, f"{step} is visible but incomplete"
+        for name in STATE_FILES:
+            read_state(folder / name)
         assert (folder / "checkpoint.json").is_file(), f"{step} has no checkpoint.json"
     return visible
 

@@ -84,10 +84,16 @@ def full_disk(workspace, reference, tmp_path_factory) -> dict[str, dict]:
         # the log: no room at all
         ["fill", "fill", 0],
         ["cli", argv(workspace, "{mount}/log")],
+        ["remove", "fill"],
+        # the first checkpoint: room for the log, not for a checkpoint; then the same command, with room
+        ["fill", "fill", checkpoint // 2 + slack],
+        ["cli", argv(workspace, "{mount}/first", save_every=1)],
+        ["remove", "fill"],
+        ["cli", argv(workspace, "{mount}/first", save_every=1)],
     ]
     results = run_on_tmpfs(tmp_path_factory.mktemp("full") / "disk", "64m", steps)
     names = ["", "ckpt_full", "", "ckpt_resumed", "", "final_full", "", "final_resumed", "", "none_full", "", "",
-             "log_full"]
+             "log_full", "", "", "first_full", "", "first_again"]
     return {name: result for name, result in zip(names, results) if name}
 
 
@@ -117,6 +123,15 @@ def test_a_full_disk_with_room_for_nothing_is_one_line_and_no_half_model(full_di
     assert "cannot write the final model" in line and "no space left" in line
     assert not [name for name in full_disk["none_full"]["files"] if name.startswith("none/") and
                 name.split("/")[1] in ("config.json", "model.safetensors")]
+
+
+def test_a_full_disk_at_the_first_checkpoint_says_to_run_the_same_command_again(full_disk):
+    """With no checkpoint of the run to resume, the line does not advise --resume (which would be refused), and the
+    same command, once there is room, runs."""
+    line = last_line(full_disk["first_full"])
+    assert "no space left to save the checkpoint of step 1" in line, line
+    assert "--resume" not in line and "run the same command again" in line, line
+    assert full_disk["first_again"]["code"] == 0, full_disk["first_again"]["stderr"][-3000:]
 
 
 def test_a_full_disk_at_the_log_is_one_line(full_disk):

@@ -87,6 +87,9 @@ class FinetuneConfig(JobConfig):
     resume: str | None = option(None, "continue from a checkpoint folder, or 'latest' for this run's newest complete "
                                       "one under OUTPUT/checkpoints (--resume alone means latest)", const="latest",
                                 metavar="CHECKPOINT")
+    trust_checkpoint: bool = option(False, "with --resume, also load a checkpoint of an earlier rope-patch, whose "
+                                           "random generators and progress are pickled (a pickle runs code when it "
+                                           "loads: only for checkpoints you made yourself)")
     log_every: int = option(1, "print and record a log line every N steps")
     split: str = option("train", "split of a hub data set (slices work: train[:1000]); local files have one. eval's "
                                  "default is test, so a fine-tune and its evaluation never share documents")
