@@ -424,15 +424,16 @@ def check_folder_kind(folder: str | os.PathLike, kind: str) -> None:
                               "--output")
 
 
-def claim_folder(folder: Path, kind: str) -> bool:
-    """``check_folder_kind``, then mark ``folder`` as ``kind``'s with ``JOB_MARKER`` where it is not yet; True where
-    this call wrote the marker. Called under the folder's lock."""
+def claim_folder(folder: Path, kind: str) -> frozenset[str] | None:
+    """``check_folder_kind``, then mark ``folder`` as ``kind``'s with ``JOB_MARKER`` where it is not yet: the names
+    the folder held before, where this call wrote the marker (None where it was there). Called under the lock."""
     check_folder_kind(folder, kind)
     marker = folder / JOB_MARKER
+    before = frozenset(os.listdir(folder))
     try:
         fd = open_inside(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        return False
+        return None
     except OSError as error:
         raise disk_full_error(error, marker, 4096) or ConfigError(
             f"cannot write {marker}: {error.strerror}; choose another --output, or make it writable") from None
@@ -444,13 +445,14 @@ def claim_folder(folder: Path, kind: str) -> bool:
         raise disk_full_error(error, marker, 4096) or ConfigError(
             f"cannot write {marker}: {error.strerror}; choose another --output, or make it writable") from None
     os.close(fd)
-    return True
+    return before
 
 
-def _unclaim_if_unused(folder: Path) -> None:
-    """Remove the marker a run wrote when the run wrote nothing else: a refused run leaves nothing behind."""
+def _unclaim_if_unused(folder: Path, before: frozenset[str]) -> None:
+    """Remove the marker a run wrote where the run added nothing else to the folder (``before``: the names it held
+    then): a refused run leaves the folder as it found it."""
     with contextlib.suppress(OSError):
-        if set(os.listdir(folder)) <= {LOCK_NAME, JOB_MARKER}:
+        if set(os.listdir(folder)) <= before | {LOCK_NAME, JOB_MARKER}:
             (folder / JOB_MARKER).unlink(missing_ok=True)
 
 
@@ -462,7 +464,7 @@ class FolderLock:
     A ``job`` label "rope-patch KIND" claims the folder for that kind (``claim_folder``) once locked, refusing one of
     another kind; ``claim=False`` checks without marking (an export, known by its own record)."""
 
-    _held: dict[tuple[int, Path], list[int]] = {}  # (pid, folder) → [descriptor, holds, made, marked] in this process
+    _held: dict[tuple[int, Path], list] = {}  # (pid, folder) → [descriptor, holds, made, names before marking]
     _guard = threading.Lock()
 
     def __init__(self, folder: str | os.PathLike, *, job: str = "rope-patch", wait: bool = True, claim: bool = True):
@@ -490,7 +492,7 @@ class FolderLock:
                 self.holding = True
                 return self
         fd = self._lock(folder) if fcntl is not None else -1
-        marked = False
+        marked = None  # the folder's names before this hold marked it
         try:
             if self.kind is not None:
                 if self.claim:
@@ -503,7 +505,7 @@ class FolderLock:
                 os.close(fd)
             raise
         with self._guard:
-            self._held[key] = [fd, 1, int(made), int(marked)]
+            self._held[key] = [fd, 1, int(made), marked]
         self.holding = True
         return self
 
@@ -568,8 +570,8 @@ class FolderLock:
             if held[1] > 0:
                 return
             del self._held[key]
-        if held[3]:
-            _unclaim_if_unused(key[1])
+        if held[3] is not None:
+            _unclaim_if_unused(key[1], held[3])
         if held[0] >= 0:
             _remove_lock_file(held[0], key[1], made=bool(held[2]))
             os.close(held[0])  # closing the descriptor drops the flock
