@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -174,12 +175,13 @@ def test_a_refused_run_leaves_no_marker(tiny_folder, tmp_path, capsys):
 
 # --- --output "" ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("verb", [*VERBS, "lm-eval"])
+@pytest.mark.parametrize("verb", [*VERBS, "lm-eval", "demo"])
 def test_an_empty_output_is_refused(verb, tiny_folder, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model, corpus = tiny_folder
-    args = ["lm-eval", "--tasks", "wikitext", "--model", str(model), "--output", ""] if verb == "lm-eval" \
-        else argv(verb, model, corpus, Path("PLACEHOLDER"))
+    others = {"lm-eval": ["lm-eval", "--tasks", "wikitext", "--model", str(model), "--output", ""],
+              "demo": ["demo", "--model", str(model), "--output", ""]}
+    args = others[verb] if verb in others else argv(verb, model, corpus, Path("PLACEHOLDER"))
     args = ["" if a == "PLACEHOLDER" else a for a in args]
     before = sorted(os.listdir(tmp_path))
     assert main(args) == 2
@@ -227,3 +229,5 @@ def test_a_read_only_or_full_tensorboard_folder_is_one_line(tiny_folder, tmp_pat
         assert f"{verb}-{case}/tensorboard" in lines[0], lines[0]
         words = "Read-only file system" if case == "read-only" else "no space left on the device"
         assert words in lines[0] and "--report-to tensorboard" in lines[0], lines[0]
+        if case == "full":  # the free space of TensorBoard's 64 KiB file system, not the output's 64 MiB one
+            assert int(re.search(r"\(([\d,]+) bytes free", lines[0]).group(1).replace(",", "")) < 65536, lines[0]
