@@ -10,6 +10,14 @@ two runs.
   held the old version holds the new one, with no moment in between when it holds nothing.
 - ``readable_files``: the mode ``save_pretrained`` gives (0666 less the umask, usually 0644) to files that a
   writer made private (safetensors writes 0600), so that a serving engine running as another user can read them.
+- ``open_inside`` and ``refuse_link``: every file rope_patch writes, appends, renames or replaces in an output folder
+  is opened with ``O_NOFOLLOW`` (and checked with ``lstat``): a symbolic link there (results.jsonl, a summary, a plot,
+  the lock, a checkpoint) is refused in one line, so nothing outside the output folder is ever written or made
+  readable. A file replaced whole keeps its permissions; new files get 0666 less the umask.
+- ``claim_folder``: an output folder belongs to one job kind, named in ``FOLDER/.rope-patch.job`` when a job first
+  writes there (an export folder is known by its ``rope_patch_export.json``; a folder written before the marker
+  existed, by the files its job writes). Another kind of job is refused in one line: an eval's results.jsonl never
+  lands in an export, and an export never swaps out a folder of results.
 - ``FolderLock``: ``fcntl.flock`` on ``FOLDER/.rope-patch.lock``, held by the writing process for its whole run.
   The kernel drops it when the process dies (``kill -9`` included), so it is never stale. A second writer waits its
   turn (saying who holds the folder), then skips what the first finished. Readers take no lock. The last release
@@ -28,6 +36,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -167,6 +176,65 @@ def nearest_folder(path: Path) -> Path:
     return path
 
 
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; elsewhere the lstat check alone
+CLOSE_ON_EXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _is_link(path: str | os.PathLike) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def link_refusal(path: str | os.PathLike) -> ConfigError:
+    """The one line for a symbolic link where rope_patch would write: it names the link, where it points, the fix."""
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return ConfigError(f"{os.fspath(path)} is a symbolic link{target}: rope-patch writes only inside its output folder "
+                       "and follows no link there; replace the link with the file or folder itself, or choose another "
+                       "--output")
+
+
+def refuse_link(path: str | os.PathLike, *, within: str | os.PathLike | None = None) -> None:
+    """Refuse in one line a symbolic link at ``path`` or, with ``within`` (the output folder, itself allowed to be a
+    link the user chose), at any folder between ``within`` and ``path``: a write through it would land outside the
+    output folder. A path that does not exist yet is fine."""
+    path = Path(path)
+    parts = [path]
+    if within is not None:
+        try:
+            relative = path.relative_to(within)
+        except ValueError:
+            relative = None
+        if relative is not None:
+            parts = [Path(within).joinpath(*relative.parts[:i]) for i in range(1, len(relative.parts) + 1)]
+    for part in parts:
+        if _is_link(part):
+            raise link_refusal(part)
+
+
+def open_inside(path: str | os.PathLike, flags: int, mode: int = 0o666, *,
+                within: str | os.PathLike | None = None) -> int:
+    """``os.open`` for a file in an output folder, never through a symbolic link: ``refuse_link`` first, then
+    ``O_NOFOLLOW`` (a link made in between fails the open, and is refused the same way). ``mode``: a new file's, less
+    the umask; an existing file keeps its own."""
+    refuse_link(path, within=within)
+    try:
+        return os.open(path, flags | NO_FOLLOW | CLOSE_ON_EXEC, mode)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EMLINK) and _is_link(path):  # EMLINK: the BSDs' O_NOFOLLOW answer
+            raise link_refusal(path) from None
+        raise
+
+
+def _exclusive_opener(mode: int) -> Callable[[str, int], int]:
+    """An ``opener`` for ``open()`` that makes a new file (``O_EXCL``: never an existing one, never through a link)."""
+    return lambda name, flags: open_inside(name, flags | os.O_EXCL, mode)
+
+
 def _current_umask() -> int:
     try:  # Linux: read without changing it (os.umask would, for every thread, for a moment)
         with open("/proc/self/status") as status:
@@ -181,12 +249,15 @@ def _current_umask() -> int:
 
 
 def readable_files(folder: Path) -> None:
-    """Give every file under ``folder`` the mode ``open()`` gives a new file, 0666 less the umask (0644 for the usual
-    022): safetensors writes 0600, which hides the weights from a serving engine that runs as another user."""
+    """Give every file under ``folder`` (a folder this process has just written: an export or a checkpoint being
+    made) the mode ``open()`` gives a new file, 0666 less the umask (0644 for the usual 022): safetensors writes 0600,
+    which hides the weights from a serving engine that runs as another user. Links are neither followed nor changed."""
     mode = 0o666 & ~_current_umask()
-    for path in Path(folder).rglob("*"):
-        if path.is_file() and not path.is_symlink() and path.name != LOCK_NAME:
-            path.chmod(mode)
+    for root, _, names in os.walk(folder):  # never into a linked folder
+        for name in names:
+            path = os.path.join(root, name)
+            if name != LOCK_NAME and stat.S_ISREG(os.lstat(path).st_mode):
+                os.chmod(path, mode)
 
 
 RENAME_EXCHANGE = 2  # linux/fs.h
@@ -242,7 +313,7 @@ def sync_files(folder: Path) -> dict[str, int]:
     """fsync every file under ``folder`` and the folder itself; returns each file's size (relative names)."""
     sizes: dict[str, int] = {}
     for path in sorted(folder.rglob("*")):
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
             sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
@@ -265,13 +336,22 @@ def make_folder(folder: str | os.PathLike) -> Path:
 
 def atomic_write(path: str | os.PathLike, content: bytes | str | Callable[[BinaryIO], None]) -> Path:
     """Write a whole file at once: ``content`` (bytes, text as UTF-8, or a function writing to a binary file) goes to
-    a temporary file beside ``path``, synced, then renamed over it. On any failure the old file is untouched."""
+    a temporary file beside ``path``, synced, then renamed over it. On any failure the old file is untouched. A
+    symbolic link at ``path`` is refused (``refuse_link``); a file replaced keeps its permissions."""
     path = Path(path)
     make_folder(path.parent)
+    refuse_link(path)
     data = content.encode("utf-8") if isinstance(content, str) else content
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(temporary, "wb") as f:
+        kept_mode = stat.S_IMODE(os.lstat(path).st_mode)
+    except OSError:
+        kept_mode = None
+    try:
+        temporary.unlink(missing_ok=True)  # this process's own leftover (a link there is removed, never followed)
+        with open(temporary, "wb", opener=_exclusive_opener(0o666)) as f:
+            if kept_mode is not None:
+                os.fchmod(f.fileno(), kept_mode)
             if callable(data):
                 data(f)
             else:
@@ -280,7 +360,7 @@ def atomic_write(path: str | os.PathLike, content: bytes | str | Callable[[Binar
             os.fsync(f.fileno())
         os.replace(temporary, path)
     except OSError as error:
-        written = temporary.stat().st_size if temporary.exists() else 0
+        written = temporary.lstat().st_size if temporary.exists() else 0
         temporary.unlink(missing_ok=True)
         needed = len(data) if isinstance(data, bytes) else max(written, 1)
         raise disk_full_error(error, path, needed) or error
@@ -291,18 +371,106 @@ def atomic_write(path: str | os.PathLike, content: bytes | str | Callable[[Binar
     return path
 
 
+JOB_MARKER = ".rope-patch.job"  # the kind of job whose output folder this is ("eval"), one line
+EXPORT_RECORD = "rope_patch_export.json"  # what an export writes beside the model: its own mark (no JOB_MARKER)
+EVALUATIONS = ("eval", "passkey", "lm-eval")  # each writes results.jsonl and summary.json
+JOB_FILES = {  # a file or folder each kind of job writes in its folder: how one written before JOB_MARKER is known
+    "export": (EXPORT_RECORD,),
+    "finetune": ("finetune_config.yaml", "train_log.csv", "checkpoints", "training_documents.json"),
+    "search": ("search_config.yaml", "candidates.jsonl", "best_method.json"),
+    "evaluation": ("results.jsonl",),  # eval, passkey or lm-eval: which one, only a marker says
+}
+KIND_NAME = re.compile(r"[a-z][a-z.-]{0,31}")
+
+
+def job_kind(job: str) -> str | None:
+    """The kind of job a ``job`` label names ("rope-patch eval" → "eval"); None for the generic "rope-patch"."""
+    words = job.split()
+    return words[1] if len(words) == 2 and words[0] == "rope-patch" and KIND_NAME.fullmatch(words[1]) else None
+
+
+def folder_owners(folder: str | os.PathLike) -> list[tuple[str, str]]:
+    """The kinds of job whose output ``folder`` holds, each with what shows it: its ``JOB_MARKER``, else the files
+    its job writes (``JOB_FILES``; "evaluation": eval, passkey or lm-eval). Empty for a new or foreign folder."""
+    folder = Path(folder)
+    owners = []
+    marker = folder / JOB_MARKER
+    if os.path.lexists(marker):
+        try:
+            fd = open_inside(marker, os.O_RDONLY)
+            with os.fdopen(fd, "rb") as f:
+                text = f.read(64).decode("utf-8", "replace").strip()
+        except OSError as error:
+            text = f"unreadable: {error.strerror}"
+        owners.append((text if KIND_NAME.fullmatch(text) else "an unknown job", f"its {JOB_MARKER} says {text[:40]!r}"))
+    for kind, names in JOB_FILES.items():
+        shown = next((name for name in names if os.path.lexists(folder / name)), None)
+        if shown is not None:
+            owners.append((kind, f"it holds {shown}"))
+    return owners
+
+
+def _describe_kind(kind: str) -> str:
+    return "an evaluation (eval, passkey or lm-eval)" if kind == "evaluation" else f"rope-patch {kind}"
+
+
+def check_folder_kind(folder: str | os.PathLike, kind: str) -> None:
+    """Refuse in one line an output folder that holds another kind of job's output: each folder belongs to one kind
+    (two evaluations' rows would mix in results.jsonl, and an export swaps out the whole folder it writes)."""
+    for owner, shown in folder_owners(folder):
+        if owner != kind and not (owner == "evaluation" and kind in EVALUATIONS):
+            raise ConfigError(f"{os.fspath(folder)} is the output folder of {_describe_kind(owner)} ({shown}), not of "
+                              f"rope-patch {kind}: each output folder holds one kind of job's output; choose another "
+                              "--output")
+
+
+def claim_folder(folder: Path, kind: str) -> frozenset[str] | None:
+    """``check_folder_kind``, then mark ``folder`` as ``kind``'s with ``JOB_MARKER`` where it is not yet: the names
+    the folder held before, where this call wrote the marker (None where it was there). Called under the lock."""
+    check_folder_kind(folder, kind)
+    marker = folder / JOB_MARKER
+    before = frozenset(os.listdir(folder))
+    try:
+        fd = open_inside(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return None
+    except OSError as error:
+        raise disk_full_error(error, marker, 4096) or ConfigError(
+            f"cannot write {marker}: {error.strerror}; choose another --output, or make it writable") from None
+    try:
+        os.write(fd, f"{kind}\n".encode())
+    except OSError as error:
+        os.close(fd)
+        marker.unlink(missing_ok=True)
+        raise disk_full_error(error, marker, 4096) or ConfigError(
+            f"cannot write {marker}: {error.strerror}; choose another --output, or make it writable") from None
+    os.close(fd)
+    return before
+
+
+def _unclaim_if_unused(folder: Path, before: frozenset[str]) -> None:
+    """Remove the marker a run wrote where the run added nothing else to the folder (``before``: the names it held
+    then): a refused run leaves the folder as it found it."""
+    with contextlib.suppress(OSError):
+        if set(os.listdir(folder)) <= before | {LOCK_NAME, JOB_MARKER}:
+            (folder / JOB_MARKER).unlink(missing_ok=True)
+
+
 class FolderLock:
     """The writing process's exclusive hold on an output folder, counted within the process (a job's stores and
     reports in one folder share one hold). ``acquire`` waits for another process holding it, naming it; with
     ``wait=False`` it refuses in one line instead (a second fine-tune must not train into a folder in use).
-    ``locked`` is False where the file system has no ``flock`` (some network mounts): the job goes on, said once."""
+    ``locked`` is False where the file system has no ``flock`` (some network mounts): the job goes on, said once.
+    A ``job`` label "rope-patch KIND" claims the folder for that kind (``claim_folder``) once locked, refusing one of
+    another kind; ``claim=False`` checks without marking (an export, known by its own record)."""
 
-    _held: dict[tuple[int, Path], list[int]] = {}  # (pid, folder) → [file descriptor, holds, made] in this process
+    _held: dict[tuple[int, Path], list] = {}  # (pid, folder) → [descriptor, holds, made, names before marking]
     _guard = threading.Lock()
 
-    def __init__(self, folder: str | os.PathLike, *, job: str = "rope-patch", wait: bool = True):
+    def __init__(self, folder: str | os.PathLike, *, job: str = "rope-patch", wait: bool = True, claim: bool = True):
         self.folder = Path(folder)
         self.job = job
+        self.kind, self.claim = job_kind(job), claim
         self.wait = wait
         self.holding = False
         self._key: tuple[int, Path] | None = None
@@ -324,8 +492,20 @@ class FolderLock:
                 self.holding = True
                 return self
         fd = self._lock(folder) if fcntl is not None else -1
+        marked = None  # the folder's names before this hold marked it
+        try:
+            if self.kind is not None:
+                if self.claim:
+                    marked = claim_folder(folder, self.kind)
+                else:
+                    check_folder_kind(folder, self.kind)
+        except BaseException:
+            if fd >= 0:
+                _remove_lock_file(fd, folder, made=made)
+                os.close(fd)
+            raise
         with self._guard:
-            self._held[key] = [fd, 1, int(made)]
+            self._held[key] = [fd, 1, int(made), marked]
         self.holding = True
         return self
 
@@ -343,9 +523,9 @@ class FolderLock:
         path = folder / LOCK_NAME
         try:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = open_inside(path, os.O_RDWR | os.O_CREAT, 0o644)
             except FileNotFoundError:  # the folder's last holder removed it, the folder it had made, just now
-                fd = os.open(make_folder(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = open_inside(make_folder(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
             raise disk_full_error(error, path, 4096) or ConfigError(
                 f"cannot open {path} to lock the output folder: {error.strerror}") from None
@@ -390,6 +570,8 @@ class FolderLock:
             if held[1] > 0:
                 return
             del self._held[key]
+        if held[3] is not None:
+            _unclaim_if_unused(key[1], held[3])
         if held[0] >= 0:
             _remove_lock_file(held[0], key[1], made=bool(held[2]))
             os.close(held[0])  # closing the descriptor drops the flock

@@ -7,6 +7,10 @@ files in ``OUTPUT/tensorboard``, W&B's run (online, or offline with ``WANDB_MODE
 MLflow's file store in ``OUTPUT/mlruns`` (unless ``MLFLOW_TRACKING_URI`` names another), Trackio's local store where
 ``TRACKIO_DIR`` says. The packages are imported only when a tracker is asked for: ``pip install
 "rope-patch[trackers]"``.
+
+A tracker's folder is checked when it starts: a symbolic link there is refused, and a folder that is a file, cannot be
+written (read-only, no permission) or sits on a full disk is one line, as is any write error the tracker meets later
+in the job's thread (exit 2, never a traceback).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from .choices import REPORT_TO
-from .errors import ConfigError, MissingExtraError
+from .errors import ConfigError, MissingExtraError, RopePatchError
+from .files import open_inside, refuse_link, write_error
 
 PACKAGES = {"trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow", "tensorboard": "tensorboard"}
 INSTALL = 'pip install "rope-patch[trackers]"'
@@ -53,7 +58,8 @@ def metric_key(*parts: Any) -> str:
 
 
 def accelerate_trackers(names: Iterable[str], *, project: str, folder: Path) -> list[Any]:
-    """accelerate's tracker objects for ``names``, each keeping its files under ``folder``, not yet started."""
+    """accelerate's tracker objects for ``names``, each keeping its files under ``folder``, not yet started; each
+    checks its folder when it starts, and its write errors are one line (``guard``)."""
     from accelerate import PartialState, tracking
 
     PartialState()  # the trackers log through accelerate's logging, which needs its state (one process: the default)
@@ -61,20 +67,74 @@ def accelerate_trackers(names: Iterable[str], *, project: str, folder: Path) -> 
     made = []
     for name in names:
         if name == "tensorboard":
-            made.append(tracking.TensorBoardTracker(project, folder / "tensorboard"))
+            made.append(guard(tracking.TensorBoardTracker(project, folder / "tensorboard"), name, folder / "tensorboard",
+                              folder, run=project))
         elif name == "wandb":
-            (folder / "wandb").mkdir(parents=True, exist_ok=True)
-            made.append(tracking.WandBTracker(project, dir=str(folder / "wandb")))
+            check_tracker_folder(name, folder / "wandb", folder)
+            made.append(guard(tracking.WandBTracker(project, dir=str(folder / "wandb")), name, folder / "wandb", folder))
         elif name == "mlflow":
             if not os.environ.get("MLFLOW_TRACKING_URI"):
                 import mlflow
 
+                refuse_link(folder / "mlruns", within=folder)
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it, in maintenance mode
                 mlflow.set_tracking_uri((folder / "mlruns").resolve().as_uri())  # a local file store, offline
             made.append(tracking.MLflowTracker(project, logging_dir=str(folder / "mlruns")))
         elif name == "trackio":
             made.append(tracking.TrackioTracker(project))
     return made
+
+
+def tracker_error(name: str, error: BaseException, path: Path) -> RopePatchError | None:
+    """A tracker's failed write as one line naming its folder (a full disk: that folder's free space), or None."""
+    found = write_error(error, path, 4096)
+    return None if found is None else type(found)(f"--report-to {name}: {found}")
+
+
+def check_tracker_folder(name: str, log_folder: Path, output: Path) -> None:
+    """Before a tracker writes there: ``log_folder`` (under the output folder) is no link and no file, exists, and
+    takes a small synced file (a read-only folder, no permission, a full disk: one line naming it)."""
+    refuse_link(log_folder, within=output)
+    if log_folder.exists() and not log_folder.is_dir():
+        raise ConfigError(f"--report-to {name}: {log_folder} is a file, where {name} keeps its files in a folder: "
+                          "move the file away, or choose another --output")
+    probe = log_folder / f".rope-patch-probe.{os.getpid()}"
+    try:
+        log_folder.mkdir(parents=True, exist_ok=True)
+        fd = open_inside(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, bytes(4096))  # an event file's first records: a full disk fails here, not in the writer thread
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as error:
+        raise tracker_error(name, error, log_folder / "events") or error from None
+
+
+def guard(tracker: Any, name: str, log_folder: Path, output: Path, run: str | None = None) -> Any:
+    """``tracker`` with its folder checked when it starts (``check_tracker_folder``; ``run``: the subfolder it writes
+    in) and a failed write in start, configuration, log or finish raised as one line naming the folder."""
+    def wrap(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except OSError as error:
+                raise tracker_error(name, error, log_folder / "events") or error from None
+        return call
+
+    start = tracker.start
+
+    def checked_start(*args: Any, **kwargs: Any) -> Any:
+        check_tracker_folder(name, log_folder, output)
+        if run is not None:
+            refuse_link(log_folder / run, within=output)
+        return start(*args, **kwargs)
+
+    tracker.start = wrap(checked_start)
+    for method in ("store_init_configuration", "log", "finish"):
+        setattr(tracker, method, wrap(getattr(tracker, method)))
+    return tracker
 
 
 Steps = Mapping[int, Mapping[str, float]]  # step (a length, for evaluations) -> metric name -> value

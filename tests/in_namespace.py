@@ -3,7 +3,8 @@ on a small tmpfs mounted in a user namespace (``unshare --user --map-root-user -
 test, and report back each command's exit code, its stderr and the files on the tmpfs.
 
 A step is ``["cli", argv]`` (``{mount}`` in an argument is the tmpfs), ``["remount_ro"]`` (the tmpfs becomes
-read-only), ``["fill", name, free_bytes]`` (a file that leaves about ``free_bytes`` free) or ``["remove", name]``. Where user namespaces are
+read-only; ``["remount_ro", name]``: the one mounted at ``name``), ``["mount", name, size]`` (another tmpfs at
+``name``, inside the first), ``["fill", name, free_bytes]`` (a file that leaves about ``free_bytes`` free) or ``["remove", name]``. Where user namespaces are
 not permitted, :func:`namespace_refusal` says why and the tests skip.
 """
 
@@ -74,9 +75,13 @@ def _inside(plan: dict) -> None:
                     traceback.print_exc()
                     code = "raised"
         elif step[0] == "remount_ro":
-            subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+            subprocess.run(["mount", "-o", "remount,ro", str(mount / step[1]) if len(step) > 1 else str(mount)],
+                           check=True)
+        elif step[0] == "mount":
+            (mount / step[1]).mkdir(parents=True, exist_ok=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={step[2]}", "tmpfs", str(mount / step[1])], check=True)
         elif step[0] == "fill":
-            free = shutil.disk_usage(mount).free
+            free = shutil.disk_usage((mount / step[1]).parent).free  # the file system the file goes on
             with open(mount / step[1], "wb") as f:
                 f.write(b"\0" * max(free - step[2], 0))
         elif step[0] == "remove":

@@ -11,10 +11,9 @@ after the set-aside copy is synced, atomically) and every append happen with no 
 change nothing. A full disk leaves no half line: the file is cut back to its last whole line and the error names the
 folder and the space needed.
 
-A ``results.jsonl`` that is a symbolic link is followed: rows are read from and appended to the file it points to,
-and setting lines aside rewrites that file, never the link. A folder, a link to a folder, a link whose target's
-folder does not exist, or anything else that is not a file is refused in one line when the store is opened, before
-any work.
+A ``results.jsonl`` (or its ``.rejected`` sidecar) that is a symbolic link is refused in one line, as every link
+where rope_patch writes (``files.open_inside``): the rows never go to a file outside the output folder. A folder, or
+anything else that is not a file, is refused in one line when the store is opened, before any work.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DiskFullError
-from ..files import FolderLock, atomic_write, disk_full_error, sync_folder
+from ..files import FolderLock, atomic_write, disk_full_error, open_inside, refuse_link, sync_folder
 from ..hub import cache_dir
 
 REJECTED_SUFFIX = ".rejected"  # results.jsonl.rejected: the lines set aside
@@ -58,25 +57,21 @@ def parse_line(raw: bytes) -> dict | str:
 
 
 def results_file(path: Path) -> Path:
-    """The file a store reads and appends to: ``path``, or the file a symbolic link there points to (which may not
-    exist yet); anything that cannot hold the rows is refused in one line."""
-    target = path.resolve() if path.is_symlink() else path
-    link = f" (a link to {target})" if target != path else ""
-    if target.is_dir():
-        raise ConfigError(f"the results file {path}{link} is a folder: move it away, or choose another --output")
-    if target.exists() and not target.is_file():
-        raise ConfigError(f"the results file {path}{link} is not a regular file: move it away, or choose another "
-                          "--output")
-    if target != path and not target.parent.is_dir():
-        raise ConfigError(f"the results file {path} is a link to {target}, whose folder does not exist: create "
-                          f"{target.parent}, or remove the link")
-    return target
+    """The file a store reads and appends to: ``path``; a symbolic link, a folder or anything else that cannot hold
+    the rows is refused in one line."""
+    refuse_link(path)
+    refuse_link(path.with_name(path.name + REJECTED_SUFFIX))
+    if path.is_dir():
+        raise ConfigError(f"the results file {path} is a folder: move it away, or choose another --output")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"the results file {path} is not a regular file: move it away, or choose another --output")
+    return path
 
 
 def append_bytes(path: Path, data: bytes) -> None:
     """Append ``data`` whole and synced, or not at all: on a failure (a full disk) the file is cut back to its length
     before. The caller holds the folder's lock, so nobody else appends in between."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_inside(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         start = os.fstat(fd).st_size
         try:
@@ -158,7 +153,7 @@ class ResultStore:
         """Refuse, before any work, a results file the run could not append to (a read-only file or file system,
         no permission): otherwise the first finished result would meet the error."""
         try:
-            fd = os.open(self.file, os.O_WRONLY | os.O_APPEND)
+            fd = open_inside(self.file, os.O_WRONLY | os.O_APPEND)
         except FileNotFoundError:
             return  # created with the first result, in the folder the lock has just made
         except OSError as error:
@@ -200,7 +195,7 @@ class ResultStore:
                 entry["bytes_base64"] = base64.b64encode(raw).decode("ascii")
             entries.append(json.dumps(entry) + "\n")
         append_bytes(sidecar, "".join(entries).encode("utf-8"))
-        atomic_write(self.file, b"".join(kept))  # a link's target: the link stays
+        atomic_write(self.file, b"".join(kept))
         where = ", ".join(f"line {n}: {why}" for n, why, _ in rejected[:3]) + (", ..." if len(rejected) > 3 else "")
         print(f"{self.job}: set aside {len(rejected)} unreadable line{'s' if len(rejected) > 1 else ''} of {self.path} "
               f"({where}) into {sidecar}; the {len(kept)} other lines are kept", file=sys.stderr)

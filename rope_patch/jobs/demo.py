@@ -23,6 +23,7 @@ from .demo_plan import DemoPlan, Estimate, measure_forward_cost, plan_for_budget
 from .eval import EvalResult, run_eval
 from .inspect import InspectResult, run_inspect
 from .passkey import PasskeyResult, run_passkey
+from .preflight import check_output_path
 
 
 @dataclass
@@ -75,6 +76,7 @@ def run_demo(config: DemoConfig | None = None, /, **options: Any) -> DemoResult:
     ``run_demo(grid="small")``; options are the fields of ``DemoConfig``. Results go under ``output`` (eval/ and
     passkey/), so a rerun reuses every finished document and trial."""
     config = DemoConfig.from_options(config, **options)
+    check_output_path(config.output)  # "" would put eval/ and passkey/ in the current folder
     start = time.perf_counter()
     loaded = load_for_job(config.model, dtype=config.dtype, attn_implementation=None, progress=config.progress)
     native = native_length(loaded.model)

@@ -75,7 +75,7 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
     """
     options, loaded = split_loaded(options)
     config = EvalConfig.from_options(config, **options)
-    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
+    check_output_writable(config.output, JOB)  # before the model loads (and before the folder's lock)
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
     if config.device_map is not None and accelerator.num_processes > 1:

@@ -129,7 +129,7 @@ def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: Servi
     holding the earlier export or the new one, whole; the hidden leftovers of a killed export are removed by the next
     export of the folder. A full disk or a folder that cannot be written is one line, and the earlier export stays."""
     created = not folder.exists()
-    with FolderLock(folder, job="rope-patch export", wait=False):
+    with FolderLock(folder, job="rope-patch export", wait=False, claim=False):  # known by its RECORD
         place = folder.resolve()  # a symlinked --output: the folder it points to is replaced, the link kept
         check_output(place)
         remove_leftovers(place)

@@ -76,7 +76,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     Ctrl-C or SIGTERM saves a checkpoint at the end of the step and raises
     ``TrainingInterrupted`` (a KeyboardInterrupt) saying how to resume."""
     config = FinetuneConfig.from_options(config, **options)
-    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
+    check_output_writable(config.output, "rope-patch finetune")  # before the model loads, and the lock
     check_source(config.dataset)  # a data file that does not exist, before minutes of loading
     try:
         forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision

@@ -63,7 +63,7 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     """
     options, loaded = split_loaded(options)
     config = LmEvalConfig.from_options(config, **options)
-    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
+    check_output_writable(config.output, "rope-patch lm-eval")  # before the model loads, and the lock
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)

@@ -50,7 +50,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes."""
     options, loaded = split_loaded(options)
     config = PasskeyConfig.from_options(config, **options)
-    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
+    check_output_writable(config.output, "rope-patch passkey")  # before the model loads, and the lock
     loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length, config.layer_types)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None

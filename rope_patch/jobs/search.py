@@ -117,7 +117,7 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     """
     options, loaded = split_loaded(options)
     config = SearchConfig.from_options(config, **options)
-    check_output_writable(config.output)  # before the model loads (and before the folder's lock)
+    check_output_writable(config.output, JOB)  # before the model loads (and before the folder's lock)
     with contextlib.ExitStack() as stack:  # the output folder held, and the stores closed, on success and on error
         stack.enter_context(output_folder(config.output, job=JOB))
         return _search(config, loaded, stack)

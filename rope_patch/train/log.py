@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..files import open_inside
+
 LOG_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "tokens_seen", "elapsed_s")
 
 
@@ -30,7 +32,8 @@ class TrainingLog:
                 kept = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
             if kept:
                 self.tokens_seen, self.elapsed = int(kept[-1]["tokens_seen"]), float(kept[-1]["elapsed_s"])
-        self.file = open(self.path, "wb", buffering=0)  # unbuffered: a full disk fails the write, not a later close
+        self.file = open(self.path, "wb", buffering=0,  # unbuffered: a full disk fails the write, not a later close
+                         opener=lambda name, flags: open_inside(name, flags))  # a link there: refused
         self._write_rows(kept, header=True)
         if accelerator.log_with:
             accelerator.init_trackers("finetune")

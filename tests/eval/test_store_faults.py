@@ -248,28 +248,24 @@ def test_an_output_folder_that_is_a_file_is_refused_in_one_line(tmp_path):
 # --- results.jsonl as a folder or a link -------------------------------------------------------------------------
 
 
-def test_a_symlinked_store_is_followed_and_setting_lines_aside_keeps_the_link(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["results.jsonl", "results.jsonl.rejected"])
+def test_a_symlinked_store_is_refused_and_its_target_untouched(tmp_path, name):
+    """A link in the output folder once made the rows (and the set-aside rewrite, 0644) land in the file it points to,
+    outside the folder."""
     kept = tmp_path / "kept"
     kept.mkdir()
-    target = kept / "all.jsonl"
+    target = kept / "private.jsonl"
     target.write_bytes(line(row("no", 1)) + b"garbage\n")
+    target.chmod(0o600)
     (tmp_path / "out").mkdir()
-    link = tmp_path / "out" / "results.jsonl"
-    link.symlink_to(target)
-    with ResultStore(link, FIELDS) as store:
-        assert lengths(store) == [("no", 1)]
-        store.append(row("no", 2))
-    assert link.is_symlink() and link.resolve() == target  # the link stays a link
-    assert target.read_bytes() == line(row("no", 1)) + line(row("no", 2))  # its target got the rows
-    assert rejected(link)[0]["text"] == "garbage\n"
-
-
-def test_a_dangling_link_into_an_existing_folder_is_followed(tmp_path):
-    link = tmp_path / "results.jsonl"
-    link.symlink_to(tmp_path / "elsewhere.jsonl")
-    with ResultStore(link, FIELDS) as store:
-        store.append(row("no", 1))
-    assert link.is_symlink() and (tmp_path / "elsewhere.jsonl").read_bytes() == line(row("no", 1))
+    (tmp_path / "out" / name).symlink_to(target)
+    if name != "results.jsonl":
+        (tmp_path / "out" / "results.jsonl").write_bytes(b"garbage\n")
+    with pytest.raises(RopePatchError, match="is a symbolic link") as refused:
+        ResultStore(tmp_path / "out" / "results.jsonl", FIELDS)
+    assert len(str(refused.value).splitlines()) == 1 and name in str(refused.value)
+    assert target.read_bytes() == line(row("no", 1)) + b"garbage\n" and target.stat().st_mode & 0o777 == 0o600
+    assert not (tmp_path / "out" / ".rope-patch.lock").exists()
 
 
 @pytest.mark.parametrize("kind", ["folder", "link-to-folder", "dangling-link", "fifo"])
@@ -283,7 +279,7 @@ def test_a_store_that_cannot_hold_rows_is_refused_in_one_line_when_opened(tmp_pa
         path.symlink_to(tmp_path / "gone" / "results.jsonl")
     else:
         os.mkfifo(path)
-    words = {"folder": "is a folder", "link-to-folder": "is a folder", "dangling-link": "whose folder does not exist",
+    words = {"folder": "is a folder", "link-to-folder": "is a symbolic link", "dangling-link": "is a symbolic link",
              "fifo": "not a regular file"}[kind]
     with pytest.raises(RopePatchError, match=words) as refused:
         ResultStore(path, FIELDS)
@@ -306,4 +302,4 @@ def test_eval_refuses_a_dangling_results_link_before_scoring_anything(tiny_folde
     assert main(["eval", "--model", str(folder), "--dataset", str(corpus), "--lengths", "64", "--method", "none",
                  "--output", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert "whose folder does not exist" in err[-1] and "Traceback" not in "".join(err)
+    assert "is a symbolic link" in err[-1] and "Traceback" not in "".join(err)

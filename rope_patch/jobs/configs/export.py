@@ -8,11 +8,11 @@ from typing import ClassVar
 
 from ...choices import AS_LOADED, GGUF_DTYPES, SERVING_ENGINES
 from ...errors import ConfigError
-from ...files import LOCK_NAME
+from ...files import EXPORT_RECORD, LOCK_NAME, check_folder_kind
 from ..options import JobConfig, option
 from .sweep import MODEL_HELP, NATIVE_LENGTH_HELP, model_option, progress_option
 
-RECORD = "rope_patch_export.json"  # marks a folder this job wrote (a rerun may replace it; a foreign one is refused)
+RECORD = EXPORT_RECORD  # marks a folder this job wrote (a rerun may replace it; a foreign one is refused)
 
 
 @dataclass
@@ -49,6 +49,9 @@ class ExportConfig(JobConfig):
         if self.method != AS_LOADED:
             parse_method_spec(self.method)
         if self.output is not None:
+            from ..preflight import check_output_path
+
+            check_output_path(self.output)
             check_output(Path(self.output))
 
     @classmethod
@@ -74,8 +77,11 @@ class ExportConfig(JobConfig):
 
 
 def check_output(folder: Path) -> None:
-    """A new or empty folder, or one this job wrote before; anything else is someone's data: refused."""
+    """A new or empty folder, or one this job wrote before and no other job wrote into; anything else is someone's
+    data: refused (an export swaps out the whole folder)."""
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"export: --output {folder} is a file; give a folder")
+    if folder.is_dir():
+        check_folder_kind(folder, "export")
     if folder.is_dir() and any(p.name != LOCK_NAME for p in folder.iterdir()) and not (folder / RECORD).is_file():
         raise ConfigError(f"export: --output {folder} holds other files (no {RECORD}); give a new or empty folder")
