@@ -442,6 +442,100 @@ def test_strings_that_are_not_utf8_are_written_back_byte_for_byte(tmp_path):
     assert keys[b"general.empty"] == struct.pack("<iiQ", 9, 5, 0)
 
 
+def test_a_split_file_and_a_numeric_architecture_are_refused_in_one_line(tmp_path):
+    """Both read by gguf.cpp, refused by rope_patch for what they mean: the first part of a split GGUF (llama.cpp
+    loads the other parts with it, llama-model-loader.cpp:595-615) and an architecture that is not text."""
+    from rope_patch.errors import ConfigError, EngineUnsupportedError
+    from rope_patch.export.gguf import plan_retag
+
+    split = Crafted(keys=plus(key(b"split.count", 2, struct.pack("<H", 3)))).build(tmp_path / "split.gguf")
+    with pytest.raises(EngineUnsupportedError, match="first of 3 parts of a split GGUF"):
+        plan_retag(split, "linear:factor=2")
+    numeric = Crafted(keys=[u32(b"general.architecture", 7)] + ROPE_KEYS).build(tmp_path / "arch.gguf")
+    with pytest.raises(ConfigError, match="general.architecture is stored as uint32, not text"):
+        plan_retag(numeric, "linear:factor=2")
+
+
+def crafted_files():
+    """Hypothesis: a GGUF of random keys (names, value types, arrays, payloads) and tensors (names, dimensions,
+    types, shapes, data lengths, offsets), around the RoPE keys a retag needs."""
+    from hypothesis import strategies as st
+
+    names = st.one_of(st.sampled_from([b"general.name", b"general.tags", b"general.alignment", b"", b"x" * 70]),
+                      st.binary(min_size=0, max_size=12))
+    payloads = st.binary(max_size=24)
+    well_formed = st.one_of(  # scalars, strings and arrays as a writer would write them
+        st.builds(lambda n, k, p: key(n, k, p[:SIZES[k]]), names, st.sampled_from(sorted(SIZES)),
+                  st.binary(min_size=8, max_size=8)),
+        st.builds(lambda n, k, c, p: array(n, k, p[:c * SIZES[k]], c), names, st.sampled_from(sorted(SIZES)),
+                  st.integers(0, 3), st.binary(min_size=24, max_size=24)),
+        st.builds(lambda n, items: array(n, 8, b"".join(map(string, items)), len(items)), names,
+                  st.lists(st.binary(max_size=6), max_size=3)),
+        st.builds(text_key, names, st.binary(max_size=8)))
+    damaged = st.one_of(
+        st.builds(key, names, st.integers(-1, 14), payloads),
+        st.builds(lambda n, s, c, p: key(n, 9, struct.pack("<iQ", s, c) + p), names, st.integers(-1, 13),
+                  st.sampled_from([0, 1, 2, 3, 2**30 + 1, 2**62]), payloads))
+    keys = st.lists(st.one_of(well_formed, well_formed, damaged), max_size=4)
+    shapes = st.lists(st.sampled_from([0, 1, 2, 32, 33, 64, 256, -1, 2**40]), max_size=5).map(tuple)
+    tensor_names = st.one_of(st.sampled_from([b"output_norm.weight", b"n" * 63, b"n" * 64]), st.binary(max_size=8))
+    tensors = st.lists(st.one_of(
+        st.builds(f32_tensor, tensor_names, st.integers(0, 16)),
+        st.builds(Tensor, tensor_names, shapes, st.sampled_from([0, 1, 2, 4, 8, 9, 12, 28, 30, 42, 43, -1]),
+                  st.integers(0, 96).map(bytes), st.sampled_from([None, None, None, 0, 32, 2**40]))), max_size=3)
+    return st.builds(lambda k, t, trailing, version, cut: Crafted(keys=[ARCH] + ROPE_KEYS + k, tensors=t,
+                                                                  trailing=trailing, version=version, cut=cut),
+                     keys, tensors, st.binary(max_size=40), st.sampled_from([3, 3, 3, 3, 3, 2, 1, 4]),
+                     st.sampled_from([0, 0, 0, 0, 0, 1, 17]))
+
+
+def test_random_files_give_a_retag_or_one_line(tmp_path_factory):
+    """Hypothesis over crafted files: each retags (and the retag is what the reference reader finds in the source,
+    RoPE keys apart) or is refused as a RopePatchError in one line; never another exception."""
+    from hypothesis import HealthCheck, given, settings
+
+    from rope_patch.errors import RopePatchError
+    from rope_patch.export.gguf import plan_retag, retag_gguf
+
+    folder = tmp_path_factory.mktemp("random")
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(crafted_files())
+    def check(craft):
+        source, out = craft.build(folder / "source.gguf"), folder / "retag.gguf"
+        out.unlink(missing_ok=True)
+        try:
+            retag_gguf(plan_retag(source, "yarn:factor=2"), out)
+        except RopePatchError as error:
+            assert "\n" not in str(error) and len(str(error)) < 2000
+            return
+        assert not_rope(parse(out)["keys"]) == not_rope(parse(source)["keys"])
+        assert set(parse(out)["tensors"]) == set(parse(source)["tensors"])
+
+    check()
+
+
+@pytest.mark.engines
+def test_random_files_agree_with_llama_cpp(tmp_path):
+    """The same random files, each also read by llama.cpp (``agreement``)."""
+    if ggml_base_library() is None:
+        pytest.skip("llama.cpp's library missing (llama-cpp-python, or LLAMA_CPP_LIB_PATH)")
+    from hypothesis import HealthCheck, given, settings
+
+    files: list[Path] = []
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(crafted_files())
+    def collect(craft):
+        files.append(craft.build(tmp_path / f"random{len(files)}.gguf"))
+
+    collect()
+    counts = agreement(files, tmp_path / "retags")
+    assert counts["read"] > 10 and counts["refused"] > 10, counts  # 33 and 117 measured
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Against llama.cpp itself.
 
