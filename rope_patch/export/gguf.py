@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,22 +182,11 @@ def write_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, dtype: s
     return plan
 
 
-def _add(writer, gguf, key: str, value: Any, like=None) -> int:
-    """One key: ints as uint32 and floats as float32 (as llama.cpp's converter writes them), or in the type ``like``
-    of the key it replaces when that is a number type of the same kind; returns the type written."""
-    kind = gguf.GGUFValueType
-    ints = (kind.UINT8, kind.INT8, kind.UINT16, kind.INT16, kind.UINT32, kind.INT32, kind.UINT64, kind.INT64)
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-        return int(kind.BOOL)
-    if isinstance(value, int):
-        chosen = like if like in ints else kind.UINT32
-    elif isinstance(value, float):
-        chosen = like if like in (kind.FLOAT32, kind.FLOAT64) else kind.FLOAT32
-    else:
-        chosen = kind.STRING
-    writer.add_key_value(key, value, chosen)
-    return int(chosen)
+def _add(writer, gguf, key: str, value: Any) -> int:
+    """One key, in the type ``_key_type`` chooses (as llama.cpp's converter writes them); returns the type written."""
+    kind = _key_type(value)
+    writer.add_key_value(key, value, gguf.GGUFValueType(kind))
+    return kind
 
 
 def _copy_field(writer, gguf, reader_field) -> None:
@@ -245,13 +235,11 @@ class GgufSource:
     scaling: dict[str, Any]  # the scaling already in the file (llama.cpp's keys, "rope_freqs": True, ...); {} if none
 
 
-def _fields(reader) -> dict[str, Any]:
-    return {name: f for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-
-
 def _open(path: Path, where: str | None = None):
-    """The ``gguf`` package's reader over ``path``, once ``scan_gguf`` has checked the file's structure against its
-    size (the reader trusts the header); the layout rides along as ``reader.layout``."""
+    """The ``gguf`` package's reader over ``path``, once ``scan_gguf`` has checked the file's structure by
+    llama.cpp's rules (the reader trusts the header); the layout rides along as ``reader.layout``. Used for the
+    embedded model's tokenizer, whose fields the model writer copies; a file given to the retag is read by
+    ``scan_gguf`` alone (the reader refuses files llama.cpp reads: see ``gguf_file``)."""
     gguf = _gguf()
     where = where or f"export --gguf {path}"
     if not path.is_file():
@@ -260,13 +248,22 @@ def _open(path: Path, where: str | None = None):
     try:
         reader = gguf.GGUFReader(path)
     except Exception as error:  # checked above; kept for what the reader refuses beyond llama.cpp's rules
-        raise ConfigError(f"{where}: not a GGUF file llama.cpp reads ({type(error).__name__}: "
-                          f"{error}); give a .gguf file") from None
+        raise ConfigError(f"{where}: the gguf package cannot read it ({type(error).__name__}); give a .gguf file "
+                          "written by llama.cpp's converter") from None
     if len(reader.tensors) != len(layout.tensors):
         raise ConfigError(f"{where}: the gguf package reads {len(reader.tensors)} tensors, the header states "
                           f"{len(layout.tensors)}; give an undamaged .gguf file")
     reader.layout = layout
     return reader
+
+
+def scan_source(path: str | os.PathLike) -> gguf_file.GgufLayout:
+    """A file given to ``--gguf``, checked by llama.cpp's rules (``gguf_file.scan_gguf``), or one line."""
+    path = Path(path)
+    where = f"export --gguf {path}"
+    if not path.is_file():
+        raise ConfigError(f"{where}: no such file; give the path of a .gguf file")
+    return scan_gguf(path, where)
 
 
 # The ranges llama.cpp's keys must fall in for rope_patch to compute with them: whole-number positions are exact in
@@ -277,17 +274,26 @@ MAX_FACTOR = float(MAX_POSITION)
 SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama.cpp's LLAMA_ROPE_SCALING_TYPES
 
 
-def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None, reader=None) -> GgufSource:
+def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None,
+                   layout: gguf_file.GgufLayout | None = None) -> GgufSource:
     """The RoPE of the GGUF at ``path``, as llama.cpp's ``load_hparams`` reads it, or refused in one line where the file
     has RoPE keys rope_patch does not compute, or an architecture whose RoPE it has not read in llama.cpp's source.
     ``native_length``: the context the model was pretrained at, where the file is already scaled and does not say."""
     path = Path(path)
-    reader = reader if reader is not None else _open(path)
-    fields = _fields(reader)
-    if "general.architecture" not in fields:
-        raise ConfigError(f"export --gguf {path}: no general.architecture key; not a llama.cpp model file")
-    arch = str(fields["general.architecture"].contents())
+    layout = layout if layout is not None else scan_source(path)
+    fields = layout.keys
     where = f"export --gguf {path}"
+    if "general.architecture" not in fields:
+        raise ConfigError(f"{where}: no general.architecture key; not a llama.cpp model file")
+    if fields["general.architecture"][0] != gguf_file.STRING:
+        raise ConfigError(f"{where}: general.architecture is stored as "
+                          f"{gguf_file._type_name(fields['general.architecture'][0])}, not text; the file is damaged")
+    arch = fields["general.architecture"][1]
+    split = fields.get("split.count")  # llama-model-loader.cpp:595-615: the other parts are loaded with the first
+    if split is not None and split[0] in gguf_file.INTEGER_TYPES and split[1] > 1:
+        raise EngineUnsupportedError(f"{where}: the file is the first of {split[1]} parts of a split GGUF "
+                                     "(split.count); merge them first (llama-gguf-split --merge FIRST.gguf "
+                                     "merged.gguf) and retag the merged file")
     for name in fields:
         key = name[len(arch) + 1:] if name.startswith(arch + ".") else None
         if key is None:
@@ -308,17 +314,21 @@ def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None,
         field_ = fields.get(f"{arch}.{key}")
         if field_ is None:
             return default
-        types = list(field_.types)
-        stored = types[1] if types and types[0] == gguf_file.ARRAY and len(types) > 1 else (types or [None])[0]
+        stored, got = field_
+        if stored == gguf_file.ARRAY:  # per-layer arrays (head counts): number arrays, decoded when short
+            stored, got = got[0], layout.arrays.get(f"{arch}.{key}")
+            if got is None and stored != gguf_file.STRING:
+                raise EngineUnsupportedError(f"{where}: {arch}.{key} is an array of more than "
+                                             f"{gguf_file.DECODED_ARRAY} values; rope_patch retags files with one "
+                                             "value for every layer")
         allowed = {"int": gguf_file.INTEGER_TYPES, "number": gguf_file.INTEGER_TYPES + gguf_file.FLOAT_TYPES,
                    "text": (gguf_file.STRING,)}[kind]
         if stored not in allowed:
             wanted = {"int": "a whole number", "number": "a number", "text": "text"}[kind]
             raise ConfigError(f"{where}: {arch}.{key} is stored as {gguf_file._type_name(stored)}, not {wanted}; the "
                               "file is damaged or was not written by llama.cpp's converter")
-        got = field_.contents()
-        if isinstance(got, list):  # per-layer arrays (head counts): one value for every layer, or refused
-            if not got or len(set(got)) != 1:
+        if isinstance(got, tuple):  # per-layer arrays (head counts): one value for every layer, or refused
+            if len(set(got)) != 1:
                 raise EngineUnsupportedError(f"{where}: {arch}.{key} differs between layers; rope_patch retags "
                                              "files with one value for every layer")
             got = got[0]
@@ -338,7 +348,7 @@ def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None,
     if head_dim and dim > head_dim:
         raise ConfigError(f"{where}: {arch}.rope.dimension_count = {dim} is more than a head's {head_dim} "
                           "dimensions; the file is damaged")
-    shapes = {t.name: t.shape for t in reader.layout.tensors} if hasattr(reader, "layout") else {}
+    shapes = {t.name: t.shape for t in layout.tensors}
     query = shapes.get("blk.0.attn_q.weight")
     if query is not None and heads and len(query) == 2 and dim * heads > query[1]:
         raise ConfigError(f"{where}: {arch}.rope.dimension_count = {dim} rotates more than the query projection's "
@@ -354,7 +364,7 @@ def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None,
                           f"{', '.join(SCALING_TYPES)}")
     factor = float(value("rope.scaling.factor", value("rope.scale_linear", 0.0, kind="number", low=0,
                                                       high=MAX_FACTOR), kind="number", low=0, high=MAX_FACTOR) or 0.0)
-    tensors = {t.name for t in reader.tensors}
+    tensors = set(shapes)
     scaling: dict[str, Any] = {}
     if kind != "none" and factor not in (0.0, 1.0):
         scaling.update({"type": kind, "factor": factor})
@@ -454,44 +464,57 @@ def plan_retag(path: str | os.PathLike, spec: str, *, native_length: int | None 
 
 def retag_gguf(retag: GgufRetag, destination: str | os.PathLike) -> GgufRope:
     """Write ``retag.source`` to ``destination`` with its RoPE keys and tensors replaced by ``retag.plan``: every other
-    key kept in place with its type, every other tensor copied byte for byte (quantized ones included)."""
-    gguf = _gguf()
-    reader = _open(retag.source.path)
+    key kept in place, its bytes as they were (strings that are not UTF-8 included), every other tensor copied byte
+    for byte (quantized ones included), the file re-read and checked before it is returned."""
+    where = f"export --gguf {retag.source.path}"
+    layout = scan_source(retag.source.path)  # again: what is copied is what is checked
     arch = retag.source.architecture
-    fields = _fields(reader)
-    writer = gguf.GGUFWriter(str(destination), arch)
-    if "general.alignment" in fields:
-        writer.data_alignment = int(fields["general.alignment"].contents())
     new = {f"{arch}.{key}": value for key, value in retag.plan.keys.items()}
     written: dict[str, tuple[int, Any]] = {}  # what the file must say once written: name → (type, value)
     replaced = {f"{arch}.{key}" for key in REPLACED_KEYS}
-    for name, field_ in fields.items():
-        if name == "general.architecture":
-            continue  # the writer's first key
-        if name in replaced:
-            if name in new:  # the new value where the old one stood, in the old type when it was a number
-                value = new.pop(name)
-                written[name] = (_add(writer, gguf, name, value, like=field_.types[0]), value)
-            continue
-        _copy_field(writer, gguf, field_)
-    for name, value in new.items():
-        written[name] = (_add(writer, gguf, name, value), value)
-    copied = [t for t in reader.tensors if t.name not in ROPE_TENSORS]
-    for name, values in retag.plan.tensors.items():  # [dim/2] float32 each
-        writer.add_tensor_info(name, values.shape, values.dtype, values.nbytes)
-    for tensor in copied:  # the file's bytes as they are: the reader's array is a view of the mapped file
-        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, int(tensor.n_bytes),
-                               raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for values in retag.plan.tensors.values():
-        writer.write_tensor_data(np.ascontiguousarray(values))
-    for tensor in copied:
-        writer.write_tensor_data(tensor.data)
-    writer.close()
-    new_tensors = {name: np.ascontiguousarray(values, dtype=np.float32).tobytes()
-                   for name, values in retag.plan.tensors.items()}
-    verify_written(destination, reader.layout, written, new_tensors, ROPE_TENSORS,
-                   f"export --gguf {retag.source.path}")  # exit 0 never covers a broken file
+    keys: list[bytes] = []
+    kept: list[str] = []
+    with open(layout.path, "rb") as source:
+        for name, (kind, _) in layout.keys.items():
+            if name in replaced:
+                if name in new:  # the new value where the old one stood, in the old type when it was a number
+                    value = new.pop(name)
+                    written[name] = (_key_type(value, kind), value)
+                    keys.append(gguf_file.encode_key(name, *written[name]))
+                continue
+            start, end = layout.spans[name]
+            source.seek(start)
+            keys.append(source.read(end - start))
+            kept.append(name)
+        for name, value in new.items():
+            written[name] = (_key_type(value), value)
+            keys.append(gguf_file.encode_key(name, *written[name]))
+        new_tensors = {name: np.ascontiguousarray(values, dtype=np.float32).tobytes()  # [dim/2] float32 each
+                       for name, values in retag.plan.tensors.items()}
+        tensors = [gguf_file.TensorOut(name, (len(data) // 4,), gguf_file.F32, len(data), data)
+                   for name, data in new_tensors.items()]
+        tensors += [gguf_file.TensorOut(t.name, t.shape, t.type, t.nbytes, at=layout.data_start + t.offset)
+                    for t in layout.tensors if t.name not in ROPE_TENSORS]
+        gguf_file.write_gguf_file(destination, layout.version, keys, tensors, layout.alignment, source)
+    verify_written(destination, layout, written, new_tensors, ROPE_TENSORS, where,
+                   kept_keys=kept)  # exit 0 never covers a broken file
     return retag.plan
+
+
+def _key_type(value: Any, like: int | None = None) -> int:
+    """The GGUF type a new key is written in: that of the key it replaces (``like``) when a number type of the same
+    kind that holds the value, else uint32 for whole numbers and float32 for others (as llama.cpp's converter writes
+    them), a string for text."""
+    if isinstance(value, bool):
+        return gguf_file.BOOL_TYPE
+    if isinstance(value, int):
+        for kind in ((like,) if like in gguf_file.INTEGER_TYPES else ()) + (gguf_file.UINT32, 10):
+            try:
+                struct.pack("<" + gguf_file.SCALARS[kind][1], value)
+                return kind
+            except struct.error:
+                continue
+        raise ConfigError(f"a RoPE key's value {value} does not fit in a uint64")
+    if isinstance(value, float):
+        return like if like in gguf_file.FLOAT_TYPES else 6
+    return gguf_file.STRING

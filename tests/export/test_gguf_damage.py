@@ -18,6 +18,7 @@ import pytest
 from gguf import GGUFValueType as T
 from in_namespace import namespace_refusal, run_on_tmpfs
 from test_gguf_retag import synthetic_gguf, tensors
+from test_gguf_rules import agreement, ggml_base_library, not_rope, parse
 
 from rope_patch.cli import main
 from rope_patch.errors import ConfigError, RopePatchError
@@ -71,18 +72,38 @@ def retag_cli(path: Path, output: Path, spec: str = "linear:factor=2") -> int:
     return main(["export", "--engine", "llama.cpp", "--gguf", str(path), "--method", spec, "--output", str(output)])
 
 
-@pytest.mark.parametrize("delta", [-1, +1, "zero", 2**40])
-def test_a_wrong_tensor_count_is_refused_not_exported_shifted(tmp_path, capsys, delta):
-    """The reported case: one tensor short in the header shifted every tensor's bytes and dropped the last; 0 gave a
-    file with no tensors. Both exited 0."""
+@pytest.mark.parametrize("delta", [+1, 2**40])
+def test_a_tensor_count_too_large_is_refused(tmp_path, capsys, delta):
+    """One more tensor than the file describes: llama.cpp reads the extra description from the data and fails
+    (gguf.cpp:642-771); a count the file cannot hold fails at once."""
     path = synthetic_gguf(tmp_path / "m.gguf")
     true_count = len(gguf.GGUFReader(path).tensors)
-    set_header(path, 8, 0 if delta == "zero" else true_count + delta if delta != 2**40 else delta)
+    set_header(path, 8, true_count + delta if delta != 2**40 else delta)
     with pytest.raises(ConfigError, match="not a GGUF file llama.cpp reads"):
         scan_gguf(path, "export --gguf m.gguf")
     assert retag_cli(path, tmp_path / "out") == 2
     assert "not a GGUF file llama.cpp reads" in one_line(capsys)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("delta", [-1, "zero"])
+def test_a_tensor_count_too_small_is_retagged_as_llama_cpp_reads_it(tmp_path, delta):
+    """One tensor short, or none: llama.cpp reads the file (gguf.cpp checks nothing after the data, and its data
+    section starts after the descriptions it read), so the retag holds exactly what llama.cpp reads in the source:
+    the tensors the header states, their bytes from where llama.cpp takes them. (rope_patch refused these before
+    its rules were llama.cpp's; a model loader missing a tensor refuses the source and the retag alike.)"""
+    path = synthetic_gguf(tmp_path / "m.gguf")
+    true_count = len(gguf.GGUFReader(path).tensors)
+    count = 0 if delta == "zero" else true_count + delta
+    set_header(path, 8, count)
+    retag_gguf(plan_retag(path, "linear:factor=2"), tmp_path / "r.gguf")
+    source, written = parse(path), parse(tmp_path / "r.gguf")
+    assert len(written["tensors"]) == count and set(written["tensors"]) == set(source["tensors"])
+    layout = scan_gguf(path, "check")
+    for info in layout.tensors:
+        name = info.name.encode()
+        assert written["tensors"][name][:2] == source["tensors"][name][:2]
+        assert written["tensors"][name][2][:info.nbytes] == source["tensors"][name][2][:info.nbytes]
 
 
 @pytest.mark.parametrize("count", [0, 3, 2**33, 2**63])
@@ -152,16 +173,18 @@ def test_a_huge_dimension_count_allocates_nothing(tmp_path):
 def test_a_written_file_that_is_not_what_was_meant_is_refused_and_not_swapped_in(tmp_path, capsys, monkeypatch):
     """A writer that loses a byte (simulated: one tensor written with a flipped bit) is caught by the re-read before
     the swap: one line, exit 2, no output folder."""
+    import rope_patch.gguf_file as gguf_file
+
     path = synthetic_gguf(tmp_path / "m.gguf")
-    original = gguf.GGUFWriter.write_tensor_data
+    original = gguf_file.write_gguf_file
 
-    def corrupting(self, tensor, *args, **kwargs):
-        array = np.array(tensor, copy=True)
-        if array.nbytes > 64:
-            array.view(np.uint8).reshape(-1)[7] ^= 1
-        return original(self, array, *args, **kwargs)
+    def corrupting(destination, *args, **kwargs):
+        original(destination, *args, **kwargs)
+        data = bytearray(Path(destination).read_bytes())
+        data[-40] ^= 1  # inside the last tensor's data (output_norm, 256 bytes)
+        Path(destination).write_bytes(bytes(data))
 
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", corrupting)
+    monkeypatch.setattr(gguf_file, "write_gguf_file", corrupting)
     assert retag_cli(path, tmp_path / "out") == 2
     assert "differs from the source's" in one_line(capsys)
     assert not (tmp_path / "out").exists()
@@ -211,11 +234,30 @@ def test_fuzz_seeded_mutations_give_a_right_retag_or_one_line(tmp_path):
             assert "\n" not in str(error)
             outcomes["refused"] += 1
             continue
-        written = gguf.GGUFReader(out)  # the oracle: the package's reader on the output
-        expected = {t.name for t in gguf.GGUFReader(damaged).tensors}
-        assert {t.name for t in written.tensors} == expected
+        written, expected = parse(out), parse(damaged)  # the oracle: a reader of the layout, written by hand
+        assert set(written["tensors"]) == set(expected["tensors"])
+        assert not_rope(written["keys"]) == not_rope(expected["keys"])
         outcomes["retagged"] += 1
     assert outcomes["refused"] > 50 and outcomes["retagged"] > 0, outcomes
+
+
+@pytest.mark.engines
+@pytest.mark.skipif(ggml_base_library() is None, reason="llama.cpp's library missing (llama-cpp-python, or "
+                                                        "LLAMA_CPP_LIB_PATH)")
+def test_the_fuzz_agrees_with_llama_cpp(tmp_path):
+    """The same 300 mutations, each read by llama.cpp's own loader: the retag succeeds exactly on the files llama.cpp
+    reads (or refuses one for its RoPE, never for its structure), and llama.cpp reads in each retag what it reads
+    in its source."""
+    source = synthetic_gguf(tmp_path / "m.gguf")
+    data = source.read_bytes()
+    header_end = scan_gguf(source, "fuzz").data_start
+    rng = random.Random(20261128)
+    files = []
+    for number in range(300):
+        files.append(tmp_path / f"d{number}.gguf")
+        files[-1].write_bytes(mutations(data, rng, header_end))
+    counts = agreement(files, tmp_path / "retags")
+    assert counts["read"] > 0 and counts["refused"] > 50, counts
 
 
 def test_the_fuzz_through_the_command_line(tmp_path, capsys, monkeypatch):
