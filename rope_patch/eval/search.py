@@ -64,6 +64,8 @@ class CandidateScorer:
         self.accelerator = accelerator
         self.known = store.by_key() if store is not None else {}
         self.computed = 0  # candidates scored by this process (the rest came from the store or other processes)
+        self.scored = 0  # candidates scored in this run, by any process
+        self.read_back = 0  # candidates asked for that were in the store already
 
     @property
     def processes(self) -> tuple[int, int]:
@@ -86,7 +88,9 @@ class CandidateScorer:
     def batch(self, candidates: Sequence[np.ndarray]) -> list[float]:
         """The fitness of each candidate, in order; those not stored are scored (dealt to processes) and stored."""
         wanted = [[float(f) for f in factors] for factors in candidates]
-        missing = [factors for factors in dict.fromkeys(map(tuple, wanted)) if self.record(factors) is None]
+        unique = list(dict.fromkeys(map(tuple, wanted)))
+        missing = [factors for factors in unique if self.record(factors) is None]
+        self.read_back += len(unique) - len(missing)
         world, rank = self.processes
         for start in range(0, len(missing), world):
             round_ = missing[start: start + world]
@@ -130,6 +134,7 @@ class CandidateScorer:
             key = record_key(record, CANDIDATE_FIELDS)
             if key in self.known:
                 continue
+            self.scored += 1
             if self.store is not None and self.store.writer:
                 self.store.append(record)
             self.known[key] = record

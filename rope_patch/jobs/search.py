@@ -236,6 +236,11 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         trace = evolve(start, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
                        on_scored=scored, lower=floor, batch_fitness=fitness)
         bar.close()
+        scorers = [scorer] if screen is None else [screening, scorer]
+        settings["scored"] = {"read_back": sum(x.read_back for x in scorers), "scored": sum(x.scored for x in scorers)}
+        if main and config.progress and settings["scored"]["read_back"]:
+            print(f"{JOB}: resumed: {settings['scored']['read_back']} fitness value(s) read back from the store, "
+                  f"{settings['scored']['scored']} scored now", file=sys.stderr)
         spec = longrope_spec(trace.best.factors, factor=factor, native_length=native)
         methods = {"searched": spec, "yarn start (longrope)": longrope_spec(start, factor=factor, native_length=native)}
         methods |= {label: label for label in (config.method or [f"{m}:factor={factor:g}" for m in COMPARED])}
