@@ -8,10 +8,10 @@ the paired ratio screened / full with its interval over (document, position bin)
 factors' held-out perplexity inside the full search's 95 % interval.
 
 The CPU scale (a 2-core machine shared with other jobs): the embedded SmolLM2-135M with a declared native length of
-512 tokens (``--native-length``; the model itself was trained to 8,192) and a target of 1,024 (factor 2), so a forward
+256 tokens (``--native-length``; the model itself was trained to 8,192) and a target of 512 (factor 2), so a forward
 is seconds, not minutes. Each search and the held-out scores are resumable under ``--output``.
 
-    python scripts/compare_search_screen.py                      # the CPU scale above, ~15-25 min on 2 shared cores
+    python scripts/compare_search_screen.py                      # the CPU scale above
     python scripts/compare_search_screen.py --native 8192 --target 16384 --screen-length 12288   # the real one (GPU)
 """
 
@@ -37,14 +37,14 @@ from rope_patch.patching import set_native_length
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--native", type=int, default=512)
-    parser.add_argument("--target", type=int, default=1024)
-    parser.add_argument("--screen-length", type=int, default=768)
+    parser.add_argument("--native", type=int, default=256)
+    parser.add_argument("--target", type=int, default=512)
+    parser.add_argument("--screen-length", type=int, default=384)
     parser.add_argument("--screen-documents", type=int, default=1)
     parser.add_argument("--screen-keep", type=float, default=0.25)
     parser.add_argument("--documents", type=int, default=2)
-    parser.add_argument("--heldout-documents", type=int, default=6)
-    parser.add_argument("--candidates", type=int, default=24)
+    parser.add_argument("--heldout-documents", type=int, default=4)
+    parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--output", default="runs/compare-screen")
     args = parser.parse_args()
