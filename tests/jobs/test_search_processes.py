@@ -108,8 +108,11 @@ def _workers(launcher: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["other-rank", "main-rank"])
-def test_a_rank_killed_mid_run_resumes_without_scoring_twice(workspace, tmp_path, single, victim):
+@pytest.mark.parametrize("victim, stop", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGINT)],
+                         ids=["kill-other-rank", "kill-main-rank", "ctrl-c-other-rank"])
+def test_a_rank_killed_mid_run_resumes_without_scoring_twice(workspace, tmp_path, single, victim, stop):
+    """SIGKILL of one process, main or not, at any moment; or Ctrl-C seen by one process only (SIGINT to it), which
+    stops every process at the end of the round and says the command that resumes."""
     output = tmp_path / "run"
     settings = options(workspace, output, heldout_documents=0)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines=1",
@@ -125,16 +128,18 @@ def test_a_rank_killed_mid_run_resumes_without_scoring_twice(workspace, tmp_path
             if store.is_file() and len(store.read_text().splitlines()) >= 3:
                 workers = _workers(launcher.pid)
                 if victim in workers:
-                    os.kill(workers[victim], signal.SIGKILL)
+                    os.kill(workers[victim], stop)
                     killed_at = len(store.read_text().splitlines())
                     break
             time.sleep(0.02)
-        launcher.communicate(timeout=TIMEOUT)
+        _, said = launcher.communicate(timeout=TIMEOUT)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     assert killed_at is not None and killed_at < 12, "the search ended before the kill: make it longer"
     assert launcher.returncode != 0
+    if stop == signal.SIGINT:  # every process stopped by itself (none killed by the launcher), one said how to resume
+        assert said.count("rope-patch search: interrupted") == 2 and "resume with:" in said, said[-3000:]
     before = [json.loads(line)["long_factor"] for line in store.read_text().splitlines() if line.endswith("}")]
 
     launch_job("search", settings, processes=2, timeout=TIMEOUT)
