@@ -10,6 +10,7 @@ figures with the start-up (imports, loading, the rendezvous) taken out.
 
     python scripts/bench_search_parallel.py                       # 1 process x 2 threads, 2 processes x 1 thread
     python scripts/bench_search_parallel.py --processes 1,2,4 --threads 4
+    python scripts/bench_search_parallel.py --gather 2           # the dealing alone: one round's gather, N processes
 """
 
 from __future__ import annotations
@@ -58,14 +59,47 @@ def timed(command: list[str], environment: dict) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+GATHER_ROUNDS = 200
+
+
+def gather_rounds() -> None:
+    """Inside a launch: the time of one round's exchange, ``gather_object`` of a candidate's record (32 factors, 5
+    documents), as the search makes it, averaged over ``GATHER_ROUNDS``."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    record = {"setup": {"model": "x" * 64, "documents": [f"doc{i}.py" for i in range(5)]},
+              "long_factor": [1.0 + i / 32 for i in range(32)], "stage": "full", "perplexity": 5.4, "nll": 1e5,
+              "tokens": 81920, "documents": {f"doc{i}.py": [2e4, 16384] for i in range(5)}}
+    gather_object([(record, None, False)])  # warm-up
+    start = time.perf_counter()
+    for _ in range(GATHER_ROUNDS):
+        gather_object([(record, None, False)])
+    if accelerator.is_main_process:
+        print(f"{accelerator.num_processes} processes: {(time.perf_counter() - start) / GATHER_ROUNDS * 1e3:.2f} ms "
+              "per round's gather")
+
+
 def main() -> None:
+    if os.environ.get("BENCH_GATHER"):
+        return gather_rounds()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="1,2", help="process counts, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="total threads, split evenly over the processes")
     parser.add_argument("--native", type=int, default=256)
     parser.add_argument("--small", type=int, default=4)
     parser.add_argument("--large", type=int, default=12)
+    parser.add_argument("--gather", type=int, default=0, help="measure only a round's gather on this many processes")
     args = parser.parse_args()
+    if args.gather:
+        command, environment = search_command(args.gather, 1, 0, Path("."), args)
+        command = command[: len(command) - command[::-1].index("-m") - 1] + [__file__]  # the launcher, this file
+        run = subprocess.run(command, env=environment | {"BENCH_GATHER": "1"}, cwd=ROOT, capture_output=True,
+                             text=True)
+        print(run.stdout.strip() or run.stderr[-2000:])
+        return
     print(f"embedded SmolLM2-135M, fp32, target {2 * args.native:,} (native declared {args.native:,}), 1 held-in "
           f"document; {args.threads} threads in total; per candidate from {args.small} -> {args.large} candidates")
     print("| processes x threads | wall s / candidate | candidates per hour | CPU s / candidate | CPU vs 1 process |")
