@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 def search_command(processes: int, threads: int, candidates: int, output: Path, args) -> tuple[list[str], dict]:
-    flags = [f"--native-length={args.native}", f"--lengths={2 * args.native}", "--documents=1",
+    flags = [f"--native-length={args.native_length}", f"--lengths={2 * args.native_length}", "--documents=1",
              "--heldout-documents=0", f"--candidates={candidates}", "--population=4", "--parents=2", "--mutations=2",
              "--crossovers=2", "--dtype=fp32", "--no-progress", f"--output={output}"]
     environment = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="1,2", help="process counts, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="total threads, split evenly over the processes")
-    parser.add_argument("--native", type=int, default=256)
+    parser.add_argument("--native-length", type=int, default=256)
     parser.add_argument("--small", type=int, default=4)
     parser.add_argument("--large", type=int, default=12)
     parser.add_argument("--gather", type=int, default=0, help="measure only a round's gather on this many processes")
@@ -100,7 +100,7 @@ def main() -> None:
                              text=True)
         print(run.stdout.strip() or run.stderr[-2000:])
         return
-    print(f"embedded SmolLM2-135M, fp32, target {2 * args.native:,} (native declared {args.native:,}), 1 held-in "
+    print(f"embedded SmolLM2-135M, fp32, target {2 * args.native_length:,} (native declared {args.native_length:,}), 1 held-in "
           f"document; {args.threads} threads in total; per candidate from {args.small} -> {args.large} candidates")
     print("| processes x threads | wall s / candidate | candidates per hour | CPU s / candidate | CPU vs 1 process |")
     print("|---|---|---|---|---|")

@@ -37,7 +37,7 @@ from rope_patch.patching import set_native_length
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--native", type=int, default=256)
+    parser.add_argument("--native-length", type=int, default=256)
     parser.add_argument("--target", type=int, default=512)
     parser.add_argument("--screen-length", type=int, default=384)
     parser.add_argument("--screen-documents", type=int, default=1)
@@ -51,7 +51,7 @@ def main() -> None:
     out = Path(args.output)
     loaded = rope_patch.load_default_model(dtype=args.dtype)
     model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded.model, loaded.tokenizer)
-    common = dict(model=model, tokenizer=tokenizer, native_length=args.native, lengths=[args.target],
+    common = dict(model=model, tokenizer=tokenizer, native_length=args.native_length, lengths=[args.target],
                   documents=args.documents, heldout_documents=0, candidates=args.candidates, population=8, parents=4,
                   mutations=2, crossovers=2, seed=0, dtype=args.dtype, progress=False)
     runs, seconds = {}, {}
@@ -63,12 +63,12 @@ def main() -> None:
         seconds[name] = time.perf_counter() - began
         print(f"{name}: {len(runs[name].trace.scored)} candidates, best held-in {runs[name].best.fitness:.4f}, "
               f"{seconds[name]:.0f} s", file=sys.stderr, flush=True)
-    factor = args.target / args.native
-    set_native_length(model, args.native)
-    specs = {"full": longrope_spec(runs["full"].best.factors, factor=factor, native_length=args.native),
-             "screened": longrope_spec(runs["screened"].best.factors, factor=factor, native_length=args.native),
+    factor = args.target / args.native_length
+    set_native_length(model, args.native_length)
+    specs = {"full": longrope_spec(runs["full"].best.factors, factor=factor, native_length=args.native_length),
+             "screened": longrope_spec(runs["screened"].best.factors, factor=factor, native_length=args.native_length),
              "start (yarn as longrope)": longrope_spec(runs["full"].trace.scored[0].factors, factor=factor,
-                                                       native_length=args.native)}
+                                                       native_length=args.native_length)}
     heldin = set(runs["full"].settings["heldin"])
     protocol = Protocol("truncate", None, resolve_bos(tokenizer, "auto"))
     tokenized = [d for d in tokenize_documents(tokenizer, load_documents(None)) if d.id not in heldin]
@@ -76,7 +76,7 @@ def main() -> None:
     with open_store(out / "heldout.jsonl", KEY_FIELDS, job="compare_search_screen") as store:
         records, failures = evaluate(model, heldout, list(specs.values()), [args.target], protocol, store=store,
                                      setup={"script": "compare_search_screen", "target": args.target,
-                                            "native": args.native}, progress=False)
+                                            "native": args.native_length}, progress=False)
     assert not failures, failures
     labels = sorted({r["method"] for r in records}, key=[r["method"] for r in records].index)
     cells = dict(zip(specs, ([r for r in records if r["method"] == label] for label in labels)))
@@ -94,7 +94,7 @@ def main() -> None:
                      "screen_forwards": None if search is None else sum(
                          1 for line in (out / name / "candidates.jsonl").read_text().splitlines()
                          if '"stage": "screen"' in line) * args.screen_documents})
-    print(f"held-out: {', '.join(d.id for d in heldout)}; target {args.target:,}, native {args.native:,}")
+    print(f"held-out: {', '.join(d.id for d in heldout)}; target {args.target:,}, native {args.native_length:,}")
     print("| factors | held-out PPL (95 % interval) | ratio to full (95 % interval) | forwards at target + screen "
           "| search time |")
     print("|---|---|---|---|---|")
