@@ -144,7 +144,10 @@ JOBS: dict[str, Job] = {
         "kept; monotone factors within [1, 1 + s] on a 0.01 grid, starting from YaRN's), each candidate scored as "
         "the longrope method by its perplexity on --documents held-in documents truncated to --lengths. "
         "--candidates sets the budget (LongRoPE's sizes scale with it). Each scored candidate is saved at once: "
-        "rerun the same command to resume. Writes the best factors as a method spec (--method "
+        "rerun the same command to resume. Under 'accelerate launch' (or torchrun) each iteration's candidates are "
+        "dealt to the processes, one model replica each, with the result of one process. --screen-length or "
+        "--screen-documents scores every candidate first on a cheap screen and only the best --screen-keep at "
+        "full. Writes the best factors as a method spec (--method "
         "@OUTPUT/best_method.json for patch, eval and finetune), the rope_parameters plain transformers loads, "
         "plots of the factors and of the fitness, and a table of the searched factors against linear, ntk, yarn "
         "and ntk_by_parts on held-out documents.",

@@ -131,13 +131,25 @@ def passkey_plan(methods: int, lengths: Sequence[int], depths: int, trials: int,
                    new_tokens=len(forwards) * max_new_tokens)
 
 
-def search_plan(candidates: int, target: int, heldin: int, methods: int, heldout: int) -> JobPlan:
+def search_plan(candidates: int, target: int, heldin: int, methods: int, heldout: int, *,
+                screen: tuple[int, int, int] | None = None) -> JobPlan:
     """``search``'s plan: each candidate scored on the held-in documents at the target length, then every compared
-    method on the held-out ones."""
-    forwards = (target,) * (candidates * heldin + methods * heldout)
-    what = (f"{candidates} candidate(s) x {heldin} held-in document(s) at {target:,} tokens, then {methods} "
-            f"method(s) x {heldout} held-out document(s)")
-    return JobPlan(what, forwards, "fewer --candidates or --documents")
+    method on the held-out ones. ``screen`` (successive halving): ``(length, documents, promoted)``, every candidate
+    scored first on ``documents`` at ``length``, and only ``promoted`` of them at the target; a note per stage."""
+    if screen is None:
+        forwards = (target,) * (candidates * heldin + methods * heldout)
+        what = (f"{candidates} candidate(s) x {heldin} held-in document(s) at {target:,} tokens, then {methods} "
+                f"method(s) x {heldout} held-out document(s)")
+        return JobPlan(what, forwards, "fewer --candidates or --documents")
+    length, documents, promoted = screen
+    forwards = (length,) * (candidates * documents) + (target,) * (promoted * heldin + methods * heldout)
+    what = (f"{candidates} candidate(s) screened, {promoted} promoted x {heldin} held-in document(s) at {target:,} "
+            f"tokens, then {methods} method(s) x {heldout} held-out document(s)")
+    notes = (f"stage 1, screen: {candidates} candidate(s) x {documents} document(s) at {length:,} tokens = "
+             f"{candidates * documents:,} forward(s)",
+             f"stage 2, full: {promoted} candidate(s) x {heldin} document(s) at {target:,} tokens = "
+             f"{promoted * heldin:,} forward(s)")
+    return JobPlan(what, forwards, "fewer --candidates or --documents, or a smaller --screen-keep", notes=notes)
 
 
 def finetune_plan(steps: int, sequences_per_step: int, seq_len: int) -> JobPlan:

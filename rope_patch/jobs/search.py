@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from ..data import documents_fingerprint, load_documents, resolve_bos, select_documents, tokenize_documents
@@ -29,8 +31,8 @@ from ..eval.perplexity import KEY_FIELDS
 from ..eval.window_loss import check_chunked_loss
 from ..eval.windows import Protocol
 from ..eval.perplexity_report import cost_text
-from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, short_context_cost,
-                               transformers_snippet)
+from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, screened_fitness,
+                               short_context_cost, transformers_snippet)
 from ..eval.search_report import format_table, write_reports
 from ..data.heldout import leave_out_training
 from ..files import atomic_write, output_folder
@@ -65,6 +67,7 @@ class SearchResult:
     files: dict[str, Path]
     table: str
     settings: dict[str, Any]
+    main_process: bool = True  # under accelerate launch, only the main process reports
 
     def __str__(self) -> str:
         s, t = self.settings, self.trace
@@ -113,19 +116,28 @@ def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchR
     ``run_search(lengths=[16384], candidates=24, documents=1, heldout=["_pydecimal.py"])``; options are the
     fields of ``SearchConfig``, and ``model=`` may be a loaded model (then pass ``tokenizer=``). Every scored
     candidate goes to OUTPUT/candidates.jsonl at once: rerun the same command to resume; the search replays the
-    same candidates (same seed) and scores only those not stored.
+    same candidates (same seed) and scores only those not stored. Under ``accelerate launch`` (or torchrun) each
+    process holds a replica of the model and each iteration's candidates are dealt to the processes: the same
+    candidates, trace and files as one process; the main process writes them.
     """
     options, loaded = split_loaded(options)
     config = SearchConfig.from_options(config, **options)
     check_output_writable(config.output, JOB)  # before the model loads (and before the folder's lock)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
+    if config.device_map is not None and accelerator.num_processes > 1:
+        raise ConfigError(f"--device-map places one model over this machine's devices in one process, not "
+                          f"{accelerator.num_processes}: run rope-patch search without accelerate launch (each "
+                          "process of a launch holds a whole replica)")
     with contextlib.ExitStack() as stack:  # the output folder held, and the stores closed, on success and on error
-        stack.enter_context(output_folder(config.output, job=JOB))
-        return _search(config, loaded, stack)
+        stack.enter_context(output_folder(config.output, job=JOB, writer=accelerator.is_main_process))
+        return _search(config, loaded, stack, accelerator)
 
 
-def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.ExitStack) -> SearchResult:
+def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.ExitStack,
+            accelerator: Accelerator) -> SearchResult:
+    main = accelerator.is_main_process
     corpus = load_documents(config.dataset, split=config.split, text_field=config.text_field, subset=config.subset)
-    loaded = config.load(loaded)
+    loaded = config.load(loaded, device=accelerator.device)
     model = loaded.model
     native = settle_native_length(model, config.native_length, config.layer_types)
     if config.target_length <= native:
@@ -134,9 +146,10 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     factor = config.factor or config.target_length / native
     base = rotary_setup(model, *primary_rotary(model)[1:])
     protocol = Protocol("truncate", None, resolve_bos(loaded.tokenizer, BOS_CHOICES[config.bos]))
-    tokenized, left_out = leave_out_training(tokenize_documents(loaded.tokenizer, corpus), config.model,
-                                             allow=False, verb="search")
-    if left_out:
+    with accelerator.main_process_first():  # the token cache written once
+        tokenized = tokenize_documents(loaded.tokenizer, corpus)
+    tokenized, left_out = leave_out_training(tokenized, config.model, allow=False, verb="search")
+    if left_out and main:
         print(f"{JOB}: leaving out {len(left_out)} document(s) {config.model} was fine-tuned on", file=sys.stderr)
     heldin, heldout = choose_documents(tokenized, protocol.min_tokens(config.target_length), config)
     probe = torch.as_tensor(heldin[0].ids[:64].astype(np.int64), device=input_device(model))[None]
@@ -147,7 +160,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                 "native_length": native_length(model), "target_length": config.target_length, "factor": factor,
                 "heldin": [d.id for d in heldin], "heldout": [d.id for d in heldout], "bos": protocol.bos,
                 "evolution": asdict(config.evolution()), "candidates": config.candidates, "seed": config.seed,
-                "output": config.output, "objective": config.objective}
+                "output": config.output, "objective": config.objective, "processes": accelerator.num_processes}
     floor = None
     if config.uses_critical_dimension:
         floor = factor_floor(base, factor)
@@ -162,24 +175,47 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         setup["objective"] = config.objective
     if floor is not None:
         setup["critical_pair"] = settings["critical_pair"]
-    needles = None
-    if config.objective == "needle":
-        needles = build_needle_documents(loaded.tokenizer, heldin, config.target_length, seed=config.seed,
-                                         bos_id=protocol.bos_id)
+    screen = None
+    if config.screened:
+        screen = {"length": config.screen_length or config.target_length,
+                  "documents": settings["heldin"][: config.screen_documents or len(heldin)], "keep": config.screen_keep}
+        if screen["length"] <= native:
+            raise ConfigError(f"--screen-length {screen['length']:,} must exceed the native length {native:,}: "
+                              "below it every longrope candidate runs the same short factors, and the screen could "
+                              "not tell them apart")
+        settings["screen"] = screen
     out = Path(config.output) if config.output is not None else None
-    if out is not None:
+    if out is not None and main:
         config.to_yaml(out / "search_config.yaml")
 
-    store = stack.enter_context(open_store(out / "candidates.jsonl" if out is not None else None, CANDIDATE_FIELDS,
-                                           job=JOB))
-    scorer = CandidateScorer(model, heldin, config.target_length, protocol, factor=factor, native_length=native,
-                             store=store, setup=setup, loss_chunk=config.loss_chunk, needles=needles)
+    with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
+        store = stack.enter_context(open_store(out / "candidates.jsonl" if out is not None else None,
+                                               CANDIDATE_FIELDS, writer=main, job=JOB))
+
+    def scorer_for(documents: list, length: int, stage: str, key: dict) -> CandidateScorer:
+        needles = None
+        if config.objective == "needle":
+            needles = build_needle_documents(loaded.tokenizer, documents, length, seed=config.seed,
+                                             bos_id=protocol.bos_id)
+        return CandidateScorer(model, documents, length, protocol, factor=factor, native_length=native, store=store,
+                               setup=key, loss_chunk=config.loss_chunk, needles=needles, accelerator=accelerator,
+                               stage=stage)
+
+    scorer = scorer_for(heldin, config.target_length, "full", setup)  # the full fitness keeps the earlier key
+    fitness = scorer.batch
+    if screen is not None:  # the screen's rows key on the screen too: its numbers are another fitness's
+        screening = scorer_for(heldin[: len(screen["documents"])], screen["length"], "screen",
+                               {**setup, "screen": {"length": screen["length"], "documents": screen["documents"]}})
+        fitness = screened_fitness(screening, scorer, config.screen_keep)
     evolution = config.evolution()
     budget = min(config.candidates or evolution.candidates, evolution.candidates)
     compared = 2 + len(config.method or COMPARED)
-    show_plan(search_plan(budget, config.target_length, len(heldin), compared, len(heldout)), model, JOB,
-              progress=config.progress)
-    bar = tqdm(total=budget, unit="candidate", desc="search", disable=not config.progress, dynamic_ncols=True)
+    plan = search_plan(budget, config.target_length, len(heldin), compared, len(heldout),
+                       screen=None if screen is None else (screen["length"], len(screen["documents"]),
+                                                           _promoted(evolution, budget, config.screen_keep)))
+    show_plan(plan, model, JOB, progress=config.progress and main)
+    bar = tqdm(total=budget, unit="candidate", desc="search", disable=not (config.progress and main),
+               dynamic_ncols=True)
     best = [float("inf")]
 
     def scored(candidate: Scored) -> None:
@@ -192,24 +228,32 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         start = np.maximum(start, floor)
     with fast_path(model, config.kernels, config.attention_kernel), CONTROL.stoppable(model):
         if config.max_short_cost is not None:
-            short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
-                                                         KEY_FIELDS, job=JOB))
+            with accelerator.main_process_first():
+                short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
+                                                             KEY_FIELDS, writer=main, job=JOB))
             settings["short_cost"] = check_short_cost(model, heldin, base, start, factor, native, protocol, config,
-                                                      store=short_store, setup=setup)
-        trace = evolve(start, scorer, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
-                       on_scored=scored, lower=floor)
+                                                      store=short_store, setup=setup, accelerator=accelerator)
+        trace = evolve(start, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
+                       on_scored=scored, lower=floor, batch_fitness=fitness)
         bar.close()
+        scorers = [scorer] if screen is None else [screening, scorer]
+        settings["scored"] = {"read_back": sum(x.read_back for x in scorers), "scored": sum(x.scored for x in scorers)}
+        if main and config.progress and settings["scored"]["read_back"]:
+            print(f"{JOB}: resumed: {settings['scored']['read_back']} fitness value(s) read back from the store, "
+                  f"{settings['scored']['scored']} scored now", file=sys.stderr)
         spec = longrope_spec(trace.best.factors, factor=factor, native_length=native)
         methods = {"searched": spec, "yarn start (longrope)": longrope_spec(start, factor=factor, native_length=native)}
         methods |= {label: label for label in (config.method or [f"{m}:factor={factor:g}" for m in COMPARED])}
         rows = []
         if heldout:
-            heldout_store = stack.enter_context(open_store(out / "heldout.jsonl" if out is not None else None,
-                                                           KEY_FIELDS, job=JOB))
+            with accelerator.main_process_first():
+                heldout_store = stack.enter_context(open_store(out / "heldout.jsonl" if out is not None else None,
+                                                               KEY_FIELDS, writer=main, job=JOB))
             rows = compare_methods(model, heldout, methods, config.target_length, protocol, store=heldout_store,
                                    setup={**setup, "documents": None}, loss_chunk=config.loss_chunk,
-                                   progress=config.progress)
+                                   progress=config.progress and main, accelerator=accelerator)
     heldin_scores = {"searched": trace.best.fitness, "yarn start (longrope)": trace.scored[0].fitness}
+    heldin_scores = {k: v for k, v in heldin_scores.items() if math.isfinite(v)}  # a screened-out start has none
     if config.objective != "perplexity":  # the held-in column is perplexity: a needle score is no number for it
         heldin_scores = {}
     for row in rows:
@@ -220,7 +264,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                          heldout=settings["heldout"]) if rows else ""
 
     files: dict[str, Path] = {}
-    if out is not None:
+    if out is not None and main:
         files["method spec"] = _write_json(out / "best_method.json", spec)
         files["transformers config"] = _write_json(out / "transformers_config.json", snippet)
         curves = {name: method_factors(name, base, {"factor": factor}) for name in ("linear", "ntk", "yarn")}
@@ -228,11 +272,23 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                   "searched": np.asarray(trace.best.factors)}
         title = f"{loaded.label}: longrope factors for {config.target_length:,} tokens (factor {factor:g})"
         files |= write_reports(rows, trace, curves, out, settings=settings, title=title)
-    return SearchResult(trace.best, spec, snippet, rows, trace, files, table, settings)
+    return SearchResult(trace.best, spec, snippet, rows, trace, files, table, settings, main)
+
+
+def _promoted(evolution, budget: int, keep: float) -> int:
+    """Candidates a screened search of ``budget`` promotes to the full fitness: ceil(keep × batch) of each batch (the
+    starting population, then each iteration's), the last batch cut by the budget."""
+    batches, left = [], budget
+    for size in [evolution.population] + [evolution.mutations + evolution.crossovers] * evolution.iterations:
+        if left <= 0:
+            break
+        batches.append(min(size, left))
+        left -= batches[-1]
+    return sum(max(1, math.ceil(keep * n - 1e-9)) for n in batches)
 
 
 def check_short_cost(model, heldin, base, start, factor: float, native: int, protocol: Protocol, config: SearchConfig, *,
-                     store, setup) -> dict[str, Any]:
+                     store, setup, accelerator=None) -> dict[str, Any]:
     """``--max-short-cost``: a candidate's perplexity ratio to the unpatched model at the native length must stay within
     1 + the bound. Up to the native length every longrope candidate runs the same short factors (ones) and the same
     attention factor, so one score (the starting candidate's) is every candidate's: either none is rejected, or all
@@ -240,7 +296,8 @@ def check_short_cost(model, heldin, base, start, factor: float, native: int, pro
     bound = float(config.max_short_cost)
     spec = longrope_spec(start, factor=factor, native_length=native)
     ratio, low, high = short_context_cost(model, heldin, spec, native, protocol, store=store, setup=setup,
-                                          loss_chunk=config.loss_chunk, progress=config.progress)
+                                          loss_chunk=config.loss_chunk, progress=config.progress,
+                                          accelerator=accelerator)
     attention = rope_longrope(base, native, **{k: v for k, v in spec.items() if k != "name"})[1]
     why = (f"up to the native length every longrope candidate runs its short factors (ones) and the attention factor "
            f"sqrt(1 + ln s / ln L) = {attention:.4f}, so all candidates share this cost")

@@ -17,8 +17,9 @@ perplexity being the fitness, instead of deriving them from a formula (PI: f_i =
 * every candidate is monotone non-decreasing from high to low frequency (pair 0 to d/2 − 1), lies in [1, 1 + s] and
   is new.
 
-Nothing here knows a model: ``evolve`` calls a ``fitness`` function on each candidate (the job scores it as the
-``longrope`` method by perplexity, ``rope_patch.eval.search``). The random draws come from one seeded
+Nothing here knows a model: ``evolve`` calls a ``fitness`` function on each candidate, or a batch fitness on each
+iteration's candidates at once (the job scores them as the ``longrope`` method by perplexity,
+``rope_patch.eval.search``, dealt to processes under ``accelerate launch``). The random draws come from one seeded
 ``numpy.random.Generator``, so a search replays exactly: with the fitness values read back from a store, a rerun
 proposes the same candidates in the same order, which is how an interrupted search resumes.
 """
@@ -193,14 +194,23 @@ class _Stop(Exception):
         self.reason = reason
 
 
-def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float], *, upper: float,
+def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float] | None = None, *, upper: float,
            settings: Evolution = LONGROPE, seed: int = 0, candidates: int | None = None,
-           on_scored: Callable[[Scored], None] | None = None, lower: Sequence[float] | None = None) -> SearchTrace:
+           on_scored: Callable[[Scored], None] | None = None, lower: Sequence[float] | None = None,
+           batch_fitness: Callable[[list[np.ndarray]], Sequence[float]] | None = None) -> SearchTrace:
     """LongRoPE's search from ``initial`` factors, within [1, ``upper``] (1 + s in LongRoPE), lower fitness better;
     with ``lower``, each pair's factor stays at least its value (LongRoPE2's critical dimension).
 
-    Stops after ``settings.iterations`` iterations, or once ``candidates`` have been scored, or when no new candidate
-    can be found. ``on_scored`` sees each candidate as soon as it is scored (progress bars)."""
+    The candidates of one iteration (and the starting population) depend on the fitness of the iterations before
+    only, so they are made together, in the order of the seeded generator, and scored as one batch: ``fitness``
+    scores one candidate, ``batch_fitness`` (give one of the two) a whole batch, in order (processes may share it:
+    the trace is the same however the batch is scored). Stops after ``settings.iterations`` iterations, or once
+    ``candidates`` have been scored, or when no new candidate can be found. ``on_scored`` sees each candidate as
+    soon as its batch is scored (progress bars)."""
+    if (fitness is None) == (batch_fitness is None):
+        raise InvalidParameterError("evolve: give either fitness (one candidate) or batch_fitness (a batch)")
+    if batch_fitness is None:
+        batch_fitness = lambda batch: [fitness(factors) for factors in batch]  # noqa: E731
     settings.check()
     start = np.round(np.asarray(initial, dtype=np.float64), DECIMALS)
     floor = None if lower is None else np.asarray(lower, dtype=np.float64)
@@ -215,36 +225,61 @@ def evolve(initial: Sequence[float], fitness: Callable[[np.ndarray], float], *, 
     seen: set = set()
     scored: list[Scored] = []
 
-    def score(factors: np.ndarray | None, origin: str, iteration: int) -> Scored:
-        if factors is None:
-            raise _Stop("exhausted")
-        if len(scored) >= limit:
-            raise _Stop("budget")
-        seen.add(_key(factors))
-        result = Scored(_key(factors), float(fitness(factors)), origin, iteration)
-        scored.append(result)
-        if on_scored:
-            on_scored(result)
-        return result
+    def scored_batch(make: Callable[[Callable[[np.ndarray | None, str], None]], None], iteration: int
+                     ) -> list[Scored]:
+        """The candidates ``make`` proposes (through ``add``, in order), scored together; the batch ends early at
+        the first candidate that cannot be made (exhausted) or is over the budget, which ends the search."""
+        batch: list[tuple[np.ndarray, str]] = []
+
+        def add(factors: np.ndarray | None, origin: str) -> None:
+            if factors is None:
+                raise _Stop("exhausted")
+            if len(scored) + len(batch) >= limit:
+                raise _Stop("budget")
+            seen.add(_key(factors))
+            batch.append((factors, origin))
+
+        reason = None
+        try:
+            make(add)
+        except _Stop as stop:
+            reason = stop.reason
+        values = list(batch_fitness([factors for factors, _ in batch])) if batch else []
+        if len(values) != len(batch):
+            raise InvalidParameterError(f"evolve: the batch fitness gave {len(values)} values for {len(batch)} "
+                                        "candidates")
+        made = [Scored(_key(factors), float(value), origin, iteration)
+                for (factors, origin), value in zip(batch, values)]
+        for result in made:
+            scored.append(result)
+            if on_scored:
+                on_scored(result)
+        if reason is not None:
+            raise _Stop(reason)
+        return made
+
+    def starting(add) -> None:
+        add(start, "initial")
+        for _ in range(settings.population - 1):
+            add(mutate(start, upper, rng, seen, settings, floor), "mutation")
+
+    def offspring(parents: list[np.ndarray]):
+        def make(add) -> None:
+            for _ in range(settings.mutations):
+                parent = parents[int(rng.integers(len(parents)))]
+                add(mutate(parent, upper, rng, seen, settings, floor), "mutation")
+            for _ in range(settings.crossovers):
+                i, j = sorted(rng.choice(len(parents), 2, replace=False).tolist())  # the better parent first
+                child = crossover(parents[i], parents[j], upper, rng, seen, settings, floor)
+                origin = "crossover" if child is not None else "mutation"
+                add(child if child is not None else mutate(parents[i], upper, rng, seen, settings, floor), origin)
+        return make
 
     try:
-        first = score(start, "initial", 0)
-        population = [first] + [score(mutate(start, upper, rng, seen, settings, floor), "mutation", 0)
-                                for _ in range(settings.population - 1)]
+        population = scored_batch(starting, 0)
         for iteration in range(1, settings.iterations + 1):
             parents = sorted(population, key=lambda s: _rank(s.fitness))[: settings.parents]
-            population = list(parents)
-            arrays = [np.asarray(p.factors) for p in parents]
-            for _ in range(settings.mutations):
-                parent = arrays[int(rng.integers(len(arrays)))]
-                population.append(score(mutate(parent, upper, rng, seen, settings, floor), "mutation", iteration))
-            for _ in range(settings.crossovers):
-                i, j = sorted(rng.choice(len(arrays), 2, replace=False).tolist())  # the better parent first
-                child = crossover(arrays[i], arrays[j], upper, rng, seen, settings, floor)
-                origin = "crossover" if child is not None else "mutation"
-                child = child if child is not None else mutate(arrays[i], upper, rng, seen, settings, floor)
-                population.append(score(child, origin, iteration))
+            population = list(parents) + scored_batch(offspring([np.asarray(p.factors) for p in parents]), iteration)
         return SearchTrace(scored, "finished")
     except _Stop as stop:
         return SearchTrace(scored, stop.reason)
-

@@ -140,3 +140,77 @@ def test_starting_factors_are_yarns_frequencies_and_formulas_match_closed_forms(
     ntk = method_factors("ntk", BASE, {"factor": s})  # (b'/b)^(2i/d) with b' = b·s^(d/(d−2))
     assert np.allclose(ntk, [s ** (2 * i / (d - 2)) for i in range(d // 2)], rtol=1e-5)
 
+
+
+def one_at_a_time(initial, fitness, *, upper, settings, seed=0, candidates=None):
+    """The search as written before batches (a hand-kept reference): each candidate scored the moment it is made."""
+    from rope_patch.methods.evolution import DECIMALS, Scored, SearchTrace, _key, _rank
+
+    start = np.round(np.asarray(initial, dtype=np.float64), DECIMALS)
+    limit = settings.candidates if candidates is None else min(candidates, settings.candidates)
+    rng, seen, scored = np.random.default_rng(seed), set(), []
+
+    class Stop(Exception):
+        pass
+
+    def score(factors, origin, iteration):
+        if factors is None:
+            raise Stop("exhausted")
+        if len(scored) >= limit:
+            raise Stop("budget")
+        seen.add(_key(factors))
+        scored.append(Scored(_key(factors), float(fitness(factors)), origin, iteration))
+        return scored[-1]
+
+    try:
+        population = [score(start, "initial", 0)] + [score(mutate(start, upper, rng, seen, settings), "mutation", 0)
+                                                     for _ in range(settings.population - 1)]
+        for iteration in range(1, settings.iterations + 1):
+            parents = sorted(population, key=lambda s: _rank(s.fitness))[: settings.parents]
+            population, arrays = list(parents), [np.asarray(p.factors) for p in parents]
+            for _ in range(settings.mutations):
+                parent = arrays[int(rng.integers(len(arrays)))]
+                population.append(score(mutate(parent, upper, rng, seen, settings), "mutation", iteration))
+            for _ in range(settings.crossovers):
+                i, j = sorted(rng.choice(len(arrays), 2, replace=False).tolist())
+                child = crossover(arrays[i], arrays[j], upper, rng, seen, settings)
+                origin = "crossover" if child is not None else "mutation"
+                child = child if child is not None else mutate(arrays[i], upper, rng, seen, settings)
+                population.append(score(child, origin, iteration))
+        return SearchTrace(scored, "finished")
+    except Stop as stop:
+        return SearchTrace(scored, stop.args[0])
+
+
+@pytest.mark.parametrize("seed, candidates", [(0, None), (4, 11), (9, 12), (2, 1)])
+def test_batches_give_the_search_of_one_candidate_at_a_time(seed, candidates):
+    """Each iteration's candidates made together and scored as a batch: the same candidates, order, fitness, stop
+    reason and best as scoring each the moment it is made; the batches are the population, then one per iteration."""
+    start, batches = yarn_factors(BASE, 2.0), []
+    fitness = fitness_towards(TARGET)
+
+    def batch_fitness(batch):
+        batches.append(len(batch))
+        return [fitness(f) for f in batch]
+
+    trace = evolve(start, upper=3.0, settings=SMALL, seed=seed, candidates=candidates, batch_fitness=batch_fitness)
+    reference = one_at_a_time(start, fitness, upper=3.0, settings=SMALL, seed=seed, candidates=candidates)
+    assert trace.scored == reference.scored and trace.stopped == reference.stopped and trace.best == reference.best
+    assert sum(batches) == len(trace.scored) and batches[0] == min(len(trace.scored), SMALL.population)
+    assert all(n == SMALL.mutations + SMALL.crossovers for n in batches[1:-1])
+
+
+def test_an_exhausted_space_gives_the_same_trace_in_batches():
+    settings = Evolution(population=4, parents=2, mutations=2, crossovers=2, iterations=10)
+    fitness = fitness_towards(np.array([1.02, 1.02]))
+    trace = evolve([1.0, 1.0], upper=1.02, settings=settings, seed=0,
+                   batch_fitness=lambda batch: [fitness(f) for f in batch])
+    reference = one_at_a_time([1.0, 1.0], fitness, upper=1.02, settings=settings, seed=0)
+    assert trace.scored == reference.scored and trace.stopped == reference.stopped == "exhausted"
+
+
+def test_a_batch_fitness_of_the_wrong_length_or_both_fitnesses_are_refused():
+    with pytest.raises(InvalidParameterError, match="3 values for 6"):
+        evolve([1.0, 2.0], upper=3.0, settings=SMALL, batch_fitness=lambda batch: [1.0, 2.0, 3.0])
+    with pytest.raises(InvalidParameterError, match="either"):
+        evolve([1.0, 2.0], fitness_towards(np.ones(2)), upper=3.0, batch_fitness=lambda batch: [])

@@ -16,7 +16,8 @@ class SearchConfig(SweepConfig):
     """Every choice of a search. Field names are the ``rope-patch search`` options and the YAML keys."""
 
     command: ClassVar[str] = "search"
-    sequence_parallel_refusal: ClassVar[str | None] = "the search scores its candidates in one process"
+    sequence_parallel_refusal: ClassVar[str | None] = ("the search deals whole candidates to processes, each scored "
+                                                       "on one replica of the model")
 
     method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
                                    "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",
@@ -63,6 +64,15 @@ class SearchConfig(SweepConfig):
     max_short_cost: float | None = option(None, "reject candidates whose perplexity at the native length, on the "
                                                 "held-in documents, exceeds the unpatched model's by more than this "
                                                 "share (0.01: at most +1 %, as LongRoPE2 keeps the short window)")
+    screen_length: int | None = option(None, "successive halving (LongRoPE2): score every candidate first at this "
+                                             "shorter length (between the native and the target length), and only "
+                                             "the best --screen-keep of each iteration at the target (default: no "
+                                             "screen)", tokens=True, metavar="TOKENS")
+    screen_documents: int | None = option(None, "successive halving: the screen scores only the first N held-in "
+                                                "documents (with --screen-length, at that length; alone, at the "
+                                                "target length)", metavar="N")
+    screen_keep: float = option(0.25, "share of each iteration's candidates the screen promotes to the full fitness "
+                                      "(at least one)")
     loss_chunk: int = option(1024, "tokens per slice through the output head")
     output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
                                                "transformers_config.json, the table and plots, relative to the current folder (none "
@@ -87,6 +97,17 @@ class SearchConfig(SweepConfig):
         if self.max_short_cost is not None and not self.max_short_cost >= 0:
             raise ConfigError(f"--max-short-cost {self.max_short_cost}: give a share of at least 0, e.g. 0.01 for "
                               "at most +1 % perplexity at the native length")
+        if self.screen_length is not None and not 0 < self.screen_length < self.target_length:
+            raise ConfigError(f"--screen-length {self.screen_length:,}: give a length below --lengths "
+                              f"{self.target_length:,} (and above the native length), or leave it out")
+        if self.screen_documents is not None and not 1 <= self.screen_documents <= self.documents:
+            raise ConfigError(f"--screen-documents {self.screen_documents}: give 1 to --documents "
+                              f"({self.documents}), or leave it out")
+        if self.screen_documents == self.documents and self.screen_length is None:
+            raise ConfigError(f"--screen-documents {self.screen_documents} alone screens on every held-in document at "
+                              "the target length, the full fitness itself: give fewer, or a --screen-length")
+        if not 0 < self.screen_keep <= 1:
+            raise ConfigError(f"--screen-keep {self.screen_keep}: give a share in (0, 1], e.g. 0.25")
         if self.candidates is not None and self.candidates < 1:
             raise ConfigError(f"--candidates {self.candidates}: give a positive budget")
         for name in ("iterations", "population", "parents", "mutations", "crossovers"):
@@ -96,6 +117,11 @@ class SearchConfig(SweepConfig):
             self.evolution().check()
         except Exception as error:
             raise ConfigError(str(error)) from None
+
+    @property
+    def screened(self) -> bool:
+        """Successive halving on: a cheap screen before the full fitness."""
+        return self.screen_length is not None or self.screen_documents is not None
 
     @property
     def uses_critical_dimension(self) -> bool:
