@@ -27,6 +27,7 @@ from .hub import cache_dir, check_hub_reachable, check_model_name, progress_bars
 from .files import read_small_text
 from .gguf_file import scan_gguf
 from .patching import restore_saved_patch, set_native_length
+from .values import JSONReadError, parse_json, shown
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded default)"
@@ -74,11 +75,9 @@ def parse_device_map(value: DeviceMap | os.PathLike | None) -> DeviceMap | None:
                               "module name -> device, or a file holding one")
         source, text = text, read_small_text(text, "--device-map")
     try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{source}: not a JSON object of module name -> device ({error})") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: nests too deeply to be a device map") from None
+        parsed = parse_json(text, unique_keys=True)
+    except JSONReadError as error:
+        raise ConfigError(f"{shown(source)}: {error}; give a JSON object of module name -> device") from None
     return _checked_map(parsed, source)
 
 
@@ -234,7 +233,7 @@ def check_model_folder(path: str | os.PathLike) -> None:
 
 def _check_shards(index: Path) -> None:
     try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(parse_json(index.read_bytes())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ModelNotFoundError(f"{index} is not a shard index (a JSON object with a weight_map): copy it again from "
                                  "the model's source") from None
