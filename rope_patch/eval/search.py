@@ -29,6 +29,7 @@ from .store import ResultStore, record_key
 from .sweep import method_entries
 
 CANDIDATE_FIELDS = ("setup", "long_factor")  # the identity of a scored candidate in the search's store
+JOB = "rope-patch search"  # what starts the lines its scoring prints (evaluate says "rope-patch eval" by default)
 
 
 def longrope_spec(long_factor: Sequence[float], *, factor: float, native_length: int,
@@ -71,7 +72,7 @@ class CandidateScorer:
         if self.needles is not None:
             return self._needle_fitness(factors)
         records, failures = evaluate(self.model, self.documents, [self.spec(factors)], [self.target], self.protocol,
-                                     loss_chunk=self.loss_chunk, progress=False)
+                                     loss_chunk=self.loss_chunk, progress=False, job=JOB)
         if failures or len(records) != len(self.documents):
             reason = failures[0].reason if failures else "a document was not scored"
             raise RopePatchError(f"search: a candidate could not be scored at {self.target:,} tokens ({reason}); "
@@ -108,7 +109,7 @@ def short_context_cost(model: nn.Module, documents: Sequence[TokenizedDocument],
     ``store``. For a ``longrope`` spec it is the same for every long factor list: up to the native length longrope runs
     its short factors and its attention factor only."""
     records, failures = evaluate(model, documents, [REFERENCE, dict(spec)], [native_length], protocol,
-                                 loss_chunk=loss_chunk, store=store, setup=setup, progress=progress)
+                                 loss_chunk=loss_chunk, store=store, setup=setup, progress=progress, job=JOB)
     label = method_entries(model, [dict(spec)])[0].label
     cells = {name: [r for r in records if r["method"] == name] for name in (REFERENCE, label)}
     if failures or any(len(cell) != len(documents) for cell in cells.values()):
@@ -125,7 +126,7 @@ def compare_methods(model: nn.Module, documents: Sequence[TokenizedDocument], me
     """Perplexity of each method (``{display name: spec}``) on ``documents`` at ``target`` tokens; one row each, in
     order: ``{"method", "spec", "perplexity", "documents", "tokens", "status"}``. Resumable through ``store``."""
     records, failures = evaluate(model, documents, list(methods.values()), [target], protocol, loss_chunk=loss_chunk,
-                                 store=store, setup=setup, progress=progress)
+                                 store=store, setup=setup, progress=progress, job=JOB)
     failed = {f.method: f.reason for f in failures}
     rows = []
     for name, spec in methods.items():  # two names may hold one spec (the best may be the start): a row each

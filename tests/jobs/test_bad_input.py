@@ -354,3 +354,24 @@ def test_an_lm_eval_task_whose_data_is_not_cached_offline_is_one_line(tiny_folde
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "not in the local cache and offline mode is on" in err[-1] and "'hellaswag_offline'" in err[-1], err
+
+
+def test_search_scoring_lines_say_search(tiny_llama, tmp_path, capsys):
+    """The held-out comparison runs eval's scoring loop, whose lines said "rope-patch eval:" inside a search."""
+    import numpy as np
+
+    from rope_patch.data.tokens import TokenizedDocument
+    from rope_patch.eval.perplexity import KEY_FIELDS
+    from rope_patch.eval.search import compare_methods
+    from rope_patch.eval.store import open_store
+    from rope_patch.eval.windows import Protocol
+
+    documents = [TokenizedDocument(f"d{i}", (np.arange(40, dtype=np.int32) * (i + 3)) % 90 + 4) for i in range(2)]
+    methods = {"linear": "linear:factor=2"}
+    for setup in ({"run": 1}, {"run": 1}, {"run": 2}):  # the second resumes; the third finds rows of other settings
+        with open_store(tmp_path / "heldout.jsonl", KEY_FIELDS, job="rope-patch search") as store:
+            compare_methods(tiny_llama, documents, methods, 32, Protocol("truncate"), store=store, setup=setup,
+                            progress=False)
+    err = capsys.readouterr().err
+    assert "rope-patch search: resuming" in err and "rope-patch search: " in err.split("resuming", 1)[1], err
+    assert "rope-patch eval" not in err, err
