@@ -375,3 +375,28 @@ def test_search_scoring_lines_say_search(tiny_llama, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "rope-patch search: resuming" in err and "rope-patch search: " in err.split("resuming", 1)[1], err
     assert "rope-patch eval" not in err, err
+
+
+@pytest.mark.parametrize("rope, named", [
+    ("yarn", "rope_parameters is 'yarn', not a mapping"),
+    ([1, 2], "rope_parameters is [1, 2], not a mapping"),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}, "original_max_position_embeddings is 0"),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": "8k"},
+     "original_max_position_embeddings is '8k'"),
+    ({"rope_type": "linear", "factor": "2"}, "factor is '2', not a number"),
+])
+def test_a_bad_rope_parameters_is_named_not_called_a_tokenizer_problem(tiny_folder, capsys, rope, named):
+    """It was "cannot load the tokenizer ... copy the tokenizer files" (eval: the tokenizer loads the config first)
+    or a traceback (inspect; ZeroDivisionError for a native length of 0)."""
+    import json
+
+    folder, corpus = tiny_folder
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = rope if not isinstance(rope, dict) else {"rope_theta": 10000.0, **rope}
+    (folder / "config.json").write_text(json.dumps(config))
+    for argv in (["inspect", str(folder)], ["eval", "--model", str(folder), "--dataset", str(corpus), "--lengths", "16",
+                                            "--documents", "1", "--output", str(folder.parent / "out")]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and named in err and "config.json" in err and "tokenizer" not in err, err
