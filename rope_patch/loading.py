@@ -70,14 +70,14 @@ def parse_device_map(value: DeviceMap | os.PathLike | None) -> DeviceMap | None:
         return text
     source = "--device-map"
     if not text.startswith("{"):
-        if not Path(text).is_file():
-            raise ConfigError(f"--device-map {text!r}: give {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON object of "
+        if not os.path.isfile(text):  # False, not OSError, for a name too long to be a path
+            raise ConfigError(f"--device-map {shown(text)}: give {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON object of "
                               "module name -> device, or a file holding one")
         source, text = text, read_small_text(text, "--device-map")
     try:
         parsed = parse_json(text, unique_keys=True)
     except JSONReadError as error:
-        raise ConfigError(f"{shown(source)}: {error}; give a JSON object of module name -> device") from None
+        raise ConfigError(f"{source}: not a JSON object of module name -> device ({error.detail})") from None
     return _checked_map(parsed, source)
 
 

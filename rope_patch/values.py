@@ -90,7 +90,12 @@ def shown(value: Any, limit: int = SHOWN_LIMIT) -> str:
 
 class JSONReadError(ValueError):
     """JSON text that cannot be read; ``str()`` is the reason as a short clause (``not JSON (Expecting value at line
-    2)``, ``key 'factor' is given twice``), for the caller's one line naming the file."""
+    2, column 1)``, ``key 'factor' is given twice``), for the caller's one line naming the file; ``detail`` the same
+    without "not JSON (...)" around json's own reason, for a caller that says "not JSON" itself."""
+
+    def __init__(self, reason: str, detail: str | None = None):
+        super().__init__(reason)
+        self.detail = detail or reason
 
 
 MAX_JSON_DIGITS = 4300  # Python's limit on int() of decimal text (sys.get_int_max_str_digits); json raised ValueError
@@ -127,7 +132,8 @@ def parse_json(text: str | bytes, *, unique_keys: bool = False) -> Any:
     except JSONReadError:
         raise
     except json.JSONDecodeError as error:
-        raise JSONReadError(f"not JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+        where = f"{error.msg} at line {error.lineno}, column {error.colno}"
+        raise JSONReadError(f"not JSON ({where})", where) from None
     except RecursionError:
         raise JSONReadError("nested too deeply (thousands of brackets inside each other)") from None
     except ValueError as error:  # what else json's number reading raises

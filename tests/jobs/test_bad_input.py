@@ -400,3 +400,39 @@ def test_a_bad_rope_parameters_is_named_not_called_a_tokenizer_problem(tiny_fold
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and named in err and "config.json" in err and "tokenizer" not in err, err
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"model.layers.0": ' + "9" * 4301 + "}", "integer of 4,301 digits"),
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{"model.layers.0": 0, "model.layers.0": "disk"}', "'model.layers.0' is given twice"),
+])
+def test_json_files_python_cannot_read_are_one_line(tiny_folder, tmp_path, capsys, text, why):
+    """A >4,300-digit integer (ValueError) or deep nesting (RecursionError) in a --device-map file or a fine-tuned
+    folder's training_documents.json was a traceback: only JSONDecodeError was caught."""
+    from rope_patch.data.heldout import TRAINING_MANIFEST, trained_hashes
+    from rope_patch.loading import parse_device_map
+
+    path = tmp_path / "map.json"
+    path.write_text(text)
+    assert main(["eval", "--device-map", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert why in err and len(err.splitlines()) == 1 and len(err) < 400, err[:400]
+    with pytest.raises(errors.ConfigError, match=why) as refused:  # the same JSON given as the option's value
+        parse_device_map(text)
+    one_line(refused.value)
+    folder = tiny_folder[0]
+    manifest = text.replace('"model.layers.0"', '"documents"').replace('"a"', '"documents"')
+    (folder / TRAINING_MANIFEST).write_text(manifest)
+    if "twice" in why:  # a manifest is rope_patch's own: the last key is json's reading, kept
+        with pytest.raises(errors.DataError, match="is unreadable"):
+            trained_hashes(folder)
+        return
+    with pytest.raises(errors.DataError, match=why) as refused:
+        trained_hashes(folder)
+    one_line(refused.value)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(folder), "--dataset", str(tiny_folder[1]), "--lengths", "16", "--documents",
+                 "1", "--output", str(tmp_path / "out"), "--progress", "off"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert why in err.splitlines()[-1] and TRAINING_MANIFEST in err and "Traceback" not in err, err[-400:]

@@ -98,9 +98,8 @@ def parse_metadata(value: Any) -> dict[str, Any] | None:
     try:
         parsed = parse_json(value, unique_keys=True) if isinstance(value, str) else value
     except JSONReadError as error:
-        why = str(error).removeprefix("not JSON (").removesuffix(")") if str(error).startswith("not JSON") else error
-        raise ConfigError(f"{flag('metadata')} is not valid JSON ({why}): give an object such as {METADATA_EXAMPLE}") \
-            from None
+        raise ConfigError(f"{flag('metadata')} is not valid JSON ({error.detail}): give an object such as "
+                          f"{METADATA_EXAMPLE}") from None
     if not isinstance(parsed, dict):
         raise ConfigError(f"{flag('metadata')} {shown(value)}: give a JSON object such as {METADATA_EXAMPLE}")
     return parsed
