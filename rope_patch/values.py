@@ -135,7 +135,7 @@ def parse_json(text: str | bytes, *, unique_keys: bool = False) -> Any:
         where = f"{error.msg} at line {error.lineno}, column {error.colno}"
         raise JSONReadError(f"not JSON ({where})", where) from None
     except RecursionError:
-        raise JSONReadError("nested too deeply (thousands of brackets inside each other)") from None
+        raise JSONReadError("nests too deeply (thousands of brackets inside each other)") from None
     except ValueError as error:  # what else json's number reading raises
         raise JSONReadError(f"holds a value JSON cannot read ({shown(str(error))})") from None
 

@@ -404,7 +404,7 @@ def test_a_bad_rope_parameters_is_named_not_called_a_tokenizer_problem(tiny_fold
 
 @pytest.mark.parametrize("text, why", [
     ('{"model.layers.0": ' + "9" * 4301 + "}", "integer of 4,301 digits"),
-    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
     ('{"model.layers.0": 0, "model.layers.0": "disk"}', "'model.layers.0' is given twice"),
 ])
 def test_json_files_python_cannot_read_are_one_line(tiny_folder, tmp_path, capsys, text, why):

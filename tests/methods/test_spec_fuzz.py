@@ -349,7 +349,7 @@ def test_text_specs_with_nesting_and_big_numbers_give_a_method_or_one_line(name,
 
 @pytest.mark.parametrize("text, why", [
     ('{"name": "yarn", "factor": ' + HUGE_INTEGER + "}", "integer of 4,301 digits"),
-    ('{"name": "yarn", "factor": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{"name": "yarn", "factor": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
     ('{"name": "yarn", "factor": 2, "factor": 4}', "'factor' is given twice"),
     ('{"name": "yarn", "name": "linear", "factor": 2}', "'name' is given twice"),
 ])
