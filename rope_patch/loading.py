@@ -28,6 +28,7 @@ from .hub import cache_dir, check_hub_reachable, check_model_name, progress_bars
 from .files import FolderLock, read_small_text, sync_files, sync_folder, write_problem
 from .gguf_file import scan_gguf
 from .patching import restore_saved_patch, set_native_length
+from .values import JSONReadError, parse_json, read_regular_file, shown
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded default)"
@@ -70,16 +71,14 @@ def parse_device_map(value: DeviceMap | os.PathLike | None) -> DeviceMap | None:
         return text
     source = "--device-map"
     if not text.startswith("{"):
-        if not Path(text).is_file():
-            raise ConfigError(f"--device-map {text!r}: give {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON object of "
+        if not os.path.isfile(text):  # False, not OSError, for a name too long to be a path
+            raise ConfigError(f"--device-map {shown(text)}: give {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON object of "
                               "module name -> device, or a file holding one")
         source, text = text, read_small_text(text, "--device-map")
     try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{source}: not a JSON object of module name -> device ({error})") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: nests too deeply to be a device map") from None
+        parsed = parse_json(text, unique_keys=True)
+    except JSONReadError as error:
+        raise ConfigError(f"{source}: not a JSON object of module name -> device ({error.detail})") from None
     return _checked_map(parsed, source)
 
 
@@ -267,12 +266,60 @@ def check_model_folder(path: str | os.PathLike) -> None:
     for index in WEIGHT_INDEXES:
         if (folder / index).is_file():
             _check_shards(folder / index)
+    check_rope_parameters(folder / "config.json")
     _check_config_fits_weights(folder)
+
+
+CONFIG_LIMIT = 2**24  # bytes of config.json read for its RoPE settings: a config is kilobytes
+ROPE_KEYS = ("rope_parameters", "rope_scaling")  # transformers 5's name, and 4.x's (still read)
+ROPE_WHOLE = ("original_max_position_embeddings",)  # a whole number of tokens, at least 1
+ROPE_NUMBERS = ("factor", "rope_theta", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor",
+                "high_freq_factor", "mscale", "mscale_all_dim")  # numbers; their ranges are checked when patching
+
+
+def check_rope_parameters(config_file: str | os.PathLike) -> None:
+    """config.json's RoPE settings (``rope_parameters``, or ``rope_scaling``, in the config or a nested
+    ``text_config``), each wrong one named: not a mapping, a native length that is no whole number of at least 1, a
+    number that is text. transformers' own check raised them while the tokenizer loaded (so they were reported as a
+    tokenizer problem) or as a traceback (``ZeroDivisionError`` for ``original_max_position_embeddings: 0``). A file
+    that cannot be read as JSON is left to transformers' load, which names it."""
+    try:
+        raw = read_regular_file(config_file, CONFIG_LIMIT)
+        body = parse_json(raw) if len(raw) <= CONFIG_LIMIT else None
+    except (OSError, ValueError):
+        return
+    configs = [body] + [v for k, v in body.items() if k.endswith("_config") and isinstance(v, dict)] \
+        if isinstance(body, dict) else []
+    for config in configs:
+        for key in ROPE_KEYS:
+            value = config.get(key)
+            if value is None:
+                continue
+            where = f"{config_file}: {key}"
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where} is {shown(value)}, not a mapping of RoPE settings; give e.g. "
+                                  '{"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}, or '
+                                  f"null for plain RoPE, in config.json")
+            by_layer = bool(value) and all(isinstance(v, dict) for v in value.values())  # {"full_attention": {...}}
+            for label, params in ([(f"{where}.{k}", v) for k, v in value.items()] if by_layer else [(where, value)]):
+                _check_rope_values(label, params)
+
+
+def _check_rope_values(where: str, params: dict[str, Any]) -> None:
+    for name in ROPE_WHOLE:
+        value = params.get(name)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ConfigError(f"{where}: {name} is {shown(value)}; it is the native context length, a whole number of "
+                              "tokens of at least 1 (e.g. 8192, not \"8k\"): fix it in config.json")
+    for name in ROPE_NUMBERS:
+        value = params.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{where}: {name} is {shown(value)}, not a number: fix it in config.json")
 
 
 def _check_shards(index: Path) -> None:
     try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(parse_json(index.read_bytes())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ModelNotFoundError(f"{index} is not a shard index (a JSON object with a weight_map): copy it again from "
                                  "the model's source") from None
@@ -435,6 +482,9 @@ def load_tokenizer(path: str | os.PathLike, *, progress: bool = True) -> Any:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         if first.startswith("Couldn't instantiate the backend tokenizer"):  # no file it can read
             first = "no tokenizer file it can read (tokenizer.json, tokenizer.model, vocab.json, ...)"
+        if "rope" in str(error).lower():  # the tokenizer loads the model's config, whose RoPE check raised
+            raise ConfigError(f"the config of {str(path)!r} has RoPE settings transformers refuses ({first[:200]}): "
+                              "fix rope_parameters in its config.json") from None
         raise ModelNotFoundError(f"cannot load the tokenizer of {str(path)!r}: {first[:200]}; "
                                  f"{TOKENIZER_FIX}") from None
 
@@ -473,6 +523,8 @@ def load_structure(name_or_path: str | os.PathLike | None = None, *,
     70B model should not need 140 GB. A scaling recorded by rope_patch is re-applied (around ``native_length``,
     declared on the model, if given)."""
     path = model_path(name_or_path)
+    if Path(path).is_dir():
+        check_rope_parameters(Path(path) / "config.json")
     try:
         with quiet_hub_requests():
             config = AutoConfig.from_pretrained(path)

@@ -11,9 +11,11 @@ from pathlib import Path
 
 from ..errors import DataError
 from ..files import atomic_write
+from ..values import JSONReadError, NotRegularFileError, parse_json, read_regular_file
 from .tokens import TokenizedDocument
 
 TRAINING_MANIFEST = "training_documents.json"
+MANIFEST_LIMIT = 2**28  # bytes: ~80 bytes a document, so 3 million documents; a larger one is not what finetune wrote
 
 
 def write_training_manifest(folder: str | os.PathLike, source: str | None,
@@ -33,11 +35,19 @@ def trained_hashes(model: str | os.PathLike | None) -> dict[str, str]:
     if not path.is_file():
         return {}
     try:
-        body = json.loads(path.read_text(encoding="utf-8"))
-        return {str(e["hash"]): str(e["id"]) for e in body["documents"]}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DataError(f"{path} is unreadable ({type(error).__name__}): it says which documents the model was "
-                        "trained on; restore it, or delete it to evaluate without that check") from None
+        raw = read_regular_file(path, MANIFEST_LIMIT)
+        if len(raw) > MANIFEST_LIMIT:
+            raise JSONReadError(f"larger than {MANIFEST_LIMIT // 2**20} MiB")
+        body = parse_json(raw)
+        trained = {e["hash"]: e["id"] for e in body["documents"]}
+        if not all(isinstance(h, str) and isinstance(i, str) for h, i in trained.items()):
+            raise TypeError("a hash or an id that is not text")
+        return trained
+    except (OSError, JSONReadError, NotRegularFileError, KeyError, TypeError) as error:
+        why = (error.strerror if isinstance(error, OSError) else str(error) if isinstance(error, ValueError)
+               else 'not the {"documents": [{"id": ..., "hash": ...}, ...]} finetune writes')
+        raise DataError(f"{path} is unreadable ({why}): it says which documents the model was trained on; restore "
+                        "it, or delete it to evaluate without that check") from None
 
 
 def leave_out_training(documents: Sequence[TokenizedDocument], model: str | os.PathLike | None, *,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import random
 import tempfile
 import time
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError, MissingExtraError
+from ..errors import ConfigError, DataError, MissingExtraError
 from ..hub import lm_eval_quietly
 from ..patching import native_length, patch_state, primary_rotary
 from .plots import file_stem
@@ -147,10 +148,33 @@ class TaskCatalog:
                     raise
                 self.defaults, self._managers = True, {}
                 return self.load(task, metadata)
+            except OSError as error:  # datasets' ConnectionError, requests' and the hub's errors are all OSErrors
+                raise task_data_unreachable(task, error) from None
             children = {name for names in loaded["group_map"].values() for name in names}
             items = {**loaded["groups"], **loaded["tasks"]}
             self._loaded[key] = [obj for name, obj in items.items() if name not in children]
         return self._loaded[key]
+
+
+def _offline() -> bool:
+    """Whether the hub and datasets are told to stay offline (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(name, "").strip().upper() for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(flag in ("1", "ON", "YES", "TRUE") for flag in flags)
+
+
+def task_data_unreachable(task: str, error: OSError) -> DataError:
+    """The one line for a task whose data set lm-eval could not fetch (``datasets.load_dataset`` raised
+    ``ConnectionError: Couldn't reach 'Rowan/hellaswag' on the Hub (OfflineModeIsEnabled)`` as a traceback)."""
+    why = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    if _offline():
+        return DataError(f"lm-eval task {task!r}: its data set is not in the local cache and offline mode is on "
+                         f"(HF_HUB_OFFLINE; {why}): run it once with network access (without HF_HUB_OFFLINE) to cache "
+                         "it, or point HF_DATASETS_CACHE/HF_HOME to a cache that holds it")
+    return DataError(f"lm-eval task {task!r}: its data set could not be fetched ({why}): check the network access to "
+                     "the hub, or run with HF_HUB_OFFLINE=1 and HF_DATASETS_CACHE/HF_HOME pointing to a cache that "
+                     "holds it")
 
 
 def plain_json(value: Any) -> Any:

@@ -84,6 +84,7 @@ class _Sweep:
     accelerator: Any
     shards: Any = None  # a SequenceShards (eval/sequence_parallel.py): each window split over a sequence group
     failures: list[EvalFailure] = field(default_factory=list)
+    job: str = "rope-patch eval"  # what starts the lines it prints
 
     @property
     def is_main(self) -> bool:
@@ -158,7 +159,7 @@ class _Sweep:
 
     def say(self, message: str) -> None:
         if self.is_main:
-            tqdm.write(f"rope-patch eval: {message}", file=sys.stderr)
+            tqdm.write(f"{self.job}: {message}", file=sys.stderr)
 
     def score(self, work: list[tuple[Window, tuple[int, ...]]], label: str, length: int, batch_size: int,
               bar) -> None:
@@ -272,6 +273,7 @@ def evaluate(
     shards=None,
     progress: bool = True,
     on_row: Callable[[dict], None] | None = None,
+    job: str = "rope-patch eval",
 ) -> tuple[list[dict], list[EvalFailure]]:
     """Score every document at every length under every method; return ``(records, failures)``.
 
@@ -284,7 +286,7 @@ def evaluate(
     and the run goes on. ``shards`` (``sequence_shards``): each window split over a sequence
     group of processes. ``on_row({"method", "length", "perplexity", "documents", "tokens"})`` is called on the main
     process the moment a (method, length) cell gets its last document in this call (a cell found finished in
-    ``store`` is not sent).
+    ``store`` is not sent). ``job`` starts the lines it prints (``rope-patch search`` for search's scoring).
     """
     protocol.check(lengths)
 
@@ -296,9 +298,9 @@ def evaluate(
                     "documents": len(cell), "tokens": int(tokens)})
 
     keys = Sweep(model, methods, UNIT_FIELDS, store=store, setup=setup,
-                 writer=accelerator is None or accelerator.is_main_process, job="rope-patch eval",
+                 writer=accelerator is None or accelerator.is_main_process, job=job,
                  on_finish=cell_finished if on_row is not None else None)
-    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), keys, accelerator, shards)
+    sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), keys, accelerator, shards, job=job)
     unshared = {e.label: sweep.plan(e, lengths, shared=False) for e in keys.entries}  # the most work there can be
     bar = tqdm(total=sum(_tokens(plans) for plans in unshared.values()), unit="tok", unit_scale=True,
                desc=f"eval ({protocol.name})", disable=not (progress and sweep.is_main), dynamic_ncols=True)

@@ -30,6 +30,7 @@ from .store import ResultStore, record_key
 from .sweep import method_entries
 
 CANDIDATE_FIELDS = ("setup", "long_factor")  # the identity of a scored candidate in the search's store
+JOB = "rope-patch search"  # what starts the lines its scoring prints (evaluate says "rope-patch eval" by default)
 
 
 def longrope_spec(long_factor: Sequence[float], *, factor: float, native_length: int,
@@ -145,7 +146,7 @@ class CandidateScorer:
         if self.needles is not None:
             return self._needle_record(factors)
         records, failures = evaluate(self.model, self.documents, [self.spec(factors)], [self.target], self.protocol,
-                                     loss_chunk=self.loss_chunk, progress=False)
+                                     loss_chunk=self.loss_chunk, progress=False, job=JOB)
         if failures or len(records) != len(self.documents):
             reason = failures[0].reason if failures else "a document was not scored"
             raise RopePatchError(f"search: a candidate could not be scored at {self.target:,} tokens ({reason}); "
@@ -197,7 +198,7 @@ def short_context_cost(model: nn.Module, documents: Sequence[TokenizedDocument],
     its short factors and its attention factor only."""
     records, failures = evaluate(model, documents, [REFERENCE, dict(spec)], [native_length], protocol,
                                  loss_chunk=loss_chunk, store=store, setup=setup, progress=progress,
-                                 accelerator=accelerator)
+                                 accelerator=accelerator, job=JOB)
     label = method_entries(model, [dict(spec)])[0].label
     cells = {name: [r for r in records if r["method"] == name] for name in (REFERENCE, label)}
     if failures or any(len(cell) != len(documents) for cell in cells.values()):
@@ -215,7 +216,7 @@ def compare_methods(model: nn.Module, documents: Sequence[TokenizedDocument], me
     order: ``{"method", "spec", "perplexity", "documents", "tokens", "status"}``. Resumable through ``store``; with an
     ``accelerator``, the windows dealt to its processes (every process gets the rows)."""
     records, failures = evaluate(model, documents, list(methods.values()), [target], protocol, loss_chunk=loss_chunk,
-                                 store=store, setup=setup, progress=progress, accelerator=accelerator)
+                                 store=store, setup=setup, progress=progress, accelerator=accelerator, job=JOB)
     failed = {f.method: f.reason for f in failures}
     rows = []
     for name, spec in methods.items():  # two names may hold one spec (the best may be the start): a row each

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..choices import PROTOCOLS
 from ..errors import ConfigError
+from ..values import shown
 
 
 
@@ -72,14 +73,16 @@ class Protocol:
             raise ConfigError(f"unknown protocol {self.name!r}; use one of {', '.join(PROTOCOLS)}")
         least = 2 + int(self.bos)
         if not lengths or any(int(n) != n or n < least for n in lengths):
-            raise ConfigError(f"lengths {list(lengths)!r}: give whole numbers of at least {least} tokens")
+            raise ConfigError(f"lengths {shown(list(lengths))}: give whole numbers of at least {least} tokens")
         if self.name == "sliding":
             if self.stride is None or int(self.stride) < 1:
                 raise ConfigError("the sliding protocol needs a positive --stride (the PI paper uses 256)")
-            if self.stride >= min(lengths) - int(self.bos):  # each window's first scored token needs context in it
+            span = min(lengths) - int(self.bos)  # each window's first scored token needs context in it
+            if self.stride >= span:
                 raise ConfigError(f"stride {self.stride} must be smaller than the shortest window ({min(lengths)} "
-                                  f"tokens{', BOS included' if self.bos else ''}); use a smaller --stride, e.g. 256, "
-                                  "or --protocol disjoint for windows that do not overlap (lm-eval's)")
+                                  f"tokens{', BOS included' if self.bos else ''}); use a smaller --stride, e.g. "
+                                  f"{min(256, span // 2)}, or --protocol disjoint for windows that do not overlap "
+                                  "(lm-eval's)")
 
     def min_tokens(self, length: int) -> int:
         """Document tokens a document needs to be scored at ``length``."""

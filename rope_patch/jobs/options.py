@@ -22,7 +22,7 @@ import yaml
 from ..errors import ConfigError, did_you_mean
 from ..files import atomic_write, check_path_length
 from ..hub import check_model_name
-from ..values import parse_bool, parse_number
+from ..values import NotRegularFileError, parse_bool, parse_number, read_regular_file, shown
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, repeat: bool = False,
@@ -60,7 +60,7 @@ def _parse_scalar(name: str, kind: type, value: Any, meta: Mapping[str, Any]) ->
             number = parse_number(value, whole=kind is int, tokens=meta.get("tokens", False))
             return float(number) if kind is float else number
     except ValueError as error:
-        raise ConfigError(f"{flag(name)} {value!r}: {error}") from None
+        raise ConfigError(f"{flag(name)} {shown(value)}: {error}") from None
     if kind is not str or isinstance(value, str):
         return _checked_text(name, value, meta) if isinstance(value, str) else value
     if meta.get("spec") and isinstance(value, Mapping):
@@ -69,20 +69,20 @@ def _parse_scalar(name: str, kind: type, value: Any, meta: Mapping[str, Any]) ->
         _checked_text(name, str(os.fspath(value)), meta)
         return value  # a path from Python stays a path
     what = {bool: "true/false", list: "a list", tuple: "a list", dict: "a mapping"}.get(type(value))
-    what = what or (f"the number {value!r}" if isinstance(value, (int, float)) else type(value).__name__)
+    what = what or (f"the number {shown(value)}" if isinstance(value, (int, float)) else type(value).__name__)
     raise ConfigError(f"{flag(name)} takes text, not {what}" + (
-        f"; in YAML, quote it: {name}: '{value}'" if isinstance(value, (int, float)) else ""))
+        f"; in YAML, quote it: {name}: '{shown(value)}'" if isinstance(value, (int, float)) else ""))
 
 
 def _checked_text(name: str, value: str, meta: Mapping[str, Any]) -> str:
     """Text with no NUL (no file name, model name or spec holds one), and for a ``folder`` option, no existing file:
     the job would fail on it only after its first result."""
     if "\0" in value:
-        raise ConfigError(f"{flag(name)} {value!r} holds a NUL character; give the value without it")
+        raise ConfigError(f"{flag(name)} {shown(value)} holds a NUL character; give the value without it")
     if not meta.get("spec"):  # a file, folder, model or data set name: as long as a path can be (specs are longer)
         check_path_length(value, flag(name))
     if meta.get("folder") and os.path.lexists(value) and not os.path.isdir(value):
-        raise ConfigError(f"{flag(name)} {value!r} is a file, and the job writes a folder there; give a folder")
+        raise ConfigError(f"{flag(name)} {shown(value)} is a file, and the job writes a folder there; give a folder")
     return value
 
 
@@ -144,17 +144,64 @@ def parse_value(name: str, kind: Any, value: Any, meta: Mapping[str, Any]) -> An
     choices = meta.get("choices")
     for v in parsed if isinstance(parsed, list) else [parsed]:
         if choices and v not in choices:
-            raise ConfigError(f"{flag(name)} {v!r}: choose one of {', '.join(map(str, choices))}")
+            raise ConfigError(f"{flag(name)} {shown(v)}: choose one of {', '.join(map(str, choices))}")
     return parsed
 
 
 YAML_SIZE_LIMIT = 2**20  # bytes: a config is a few hundred; a saved one with LongRoPE's factors a few thousand
+YAML_VALUE_LIMIT = 2**16  # values (scalars, lists, mappings) a config expands to with its aliases followed: a saved
+# search config, LongRoPE's two lists of per-pair factors for a 256-dimension head included, holds a few hundred
+
+
+class YAMLExpansionError(yaml.YAMLError):
+    """A YAML document whose aliases expand it past ``YAML_VALUE_LIMIT`` values (an alias bomb: 461 bytes, a billion
+    values), or whose alias refers to a collection that holds it (a value with no end)."""
+
+
+def expanded_size(root: yaml.Node, limit: int = YAML_VALUE_LIMIT) -> int:
+    """The number of values (nodes) in the document ``root`` once every alias is replaced by what it names, counted
+    without building it: each node's count is its children's summed, computed once per node (aliases share a node),
+    so the time is linear in the composed document. ``YAMLExpansionError`` past ``limit`` or on a cycle. Iterative:
+    a deep document does not overflow the stack here."""
+    size: dict[int, int] = {}  # id(node) -> its expanded count
+    entered: set[int] = set()  # nodes whose children are being counted: an alias back to one is a cycle
+
+    def children(node: yaml.Node) -> list[yaml.Node]:
+        if isinstance(node, yaml.MappingNode):
+            return [child for pair in node.value for child in pair]
+        return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        if counted:
+            entered.discard(id(node))
+            size[id(node)] = total = 1 + sum(size[id(child)] for child in children(node))
+            if total > limit:
+                raise YAMLExpansionError(f"its aliases expand it to more than {limit:,} values, and a config holds a "
+                                         "few hundred; give each value once (an alias * repeats all its anchor & "
+                                         "holds)")
+            continue
+        if id(node) in size:
+            continue
+        if id(node) in entered:
+            raise YAMLExpansionError("an alias * refers to a list or mapping that holds it (a value with no end); "
+                                     "give the values themselves")
+        entered.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children(node) if id(child) not in size)
+    return size[id(root)]
 
 
 class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """YAML's safe loader (libyaml's parser where pyyaml has it: about 10 times faster), refusing a key given twice
     in one mapping (the plain loader keeps the last silently), in time linear in the keys (a set; a list took 18 s
-    for 40,000 keys)."""
+    for 40,000 keys), and a document whose aliases expand it past ``YAML_VALUE_LIMIT`` values (``expanded_size``,
+    before any value is built: the values are built shared, but a message, a copy or a walk of them expands them)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        expanded_size(node)
+        return super().construct_document(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
@@ -166,7 +213,7 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
             except TypeError:  # an unhashable key: the base class refuses it in one line
                 break
             if duplicate:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                raise yaml.constructor.ConstructorError(None, None, f"key {shown(key)} is given twice",
                                                         key_node.start_mark)
         return super().construct_mapping(node, deep)
 
@@ -227,11 +274,13 @@ class JobConfig:
         """The option values of a YAML config file, keys checked against the fields (``seq-len`` = ``seq_len``)."""
         check_path_length(path, "--config")
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; see the files under configs/")
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(YAML_SIZE_LIMIT + 1)  # bounded: a config is small, pyyaml reads ~1 MB/s
+        try:  # bounded: a config is small, pyyaml reads ~1 MB/s; not blocking: a FIFO is refused, not waited on
+            raw = read_regular_file(path, YAML_SIZE_LIMIT)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist; see the files under configs/") from None
+        except NotRegularFileError as error:
+            raise ConfigError(f"config file {str(path)!r} is {error}, not a file; give the YAML file of the job's "
+                              "options (see configs/)") from None
         except OSError as error:
             raise ConfigError(f"config file {str(path)!r} cannot be read ({error.strerror}); fix its permissions") \
                 from None
@@ -243,6 +292,8 @@ class JobConfig:
         except UnicodeDecodeError as error:
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}): save it as "
                               "UTF-8") from None
+        except YAMLExpansionError as error:
+            raise ConfigError(f"config file {str(path)!r}: {error}") from None
         except yaml.YAMLError as error:
             where = getattr(error, "problem_mark", None)
             line = f" at line {where.line + 1}" if where else ""
@@ -251,7 +302,7 @@ class JobConfig:
         except RecursionError:
             raise ConfigError(f"config file {str(path)!r} nests too deeply to be a config") from None
         except ValueError as error:  # pyyaml's int() of a number over Python's 4,300 digits
-            raise ConfigError(f"config file {str(path)!r} holds a value YAML cannot read ({str(error)[:80]}); fix "
+            raise ConfigError(f"config file {str(path)!r} holds a value YAML cannot read ({shown(str(error))}); fix "
                               "it") from None
         data = {} if data is None else data
         if not isinstance(data, dict):
@@ -264,10 +315,10 @@ class JobConfig:
             if name not in known | earlier:
                 hint = did_you_mean(name, known)
                 hint = hint.replace("_", "-") if "-" in str(key) else hint  # suggested as the key was spelled
-                raise ConfigError(f"config file {str(path)!r}: unknown option {key!r}{hint}; known: "
+                raise ConfigError(f"config file {str(path)!r}: unknown option {shown(key)}{hint}; known: "
                                   f"{', '.join(sorted(known))}")
             if name in values:
-                raise ConfigError(f"config file {str(path)!r}: {key!r} is given twice (as {name} and "
+                raise ConfigError(f"config file {str(path)!r}: {shown(key)} is given twice (as {name} and "
                                   f"{name.replace('_', '-')}); keep one")
             values[name] = value
         return renamed(cls, values)

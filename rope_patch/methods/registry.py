@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidParameterError, UnknownMethodError, did_you_mean
-from ..values import parse_bool, parse_number
+from ..values import parse_bool, parse_number, shown
 
 
 @dataclass(frozen=True)
@@ -96,17 +96,17 @@ def available_methods() -> list[str]:
 
 def get_method(name: str) -> Method:
     if name not in METHODS:
-        raise UnknownMethodError(f"unknown method {name!r}{did_you_mean(name, METHODS)}; known methods: "
+        raise UnknownMethodError(f"unknown method {shown(name)}{did_you_mean(name, METHODS)}; known methods: "
                                  f"{', '.join(METHODS)}")
     return METHODS[name]
 
 
 def _coerce(method: str, key: str, param: Param, value: Any) -> Any:
     def bad(why: str) -> InvalidParameterError:
-        return InvalidParameterError(f"{method}: parameter {key}={value!r} {why}")
+        return InvalidParameterError(f"{method}: parameter {key}={shown(value)} {why}")
 
     def unreadable(error: ValueError) -> InvalidParameterError:
-        return InvalidParameterError(f"{method}: parameter {key}={value!r}: {error}")
+        return InvalidParameterError(f"{method}: parameter {key}={shown(value)}: {error}")
 
     if value is None and param.optional:
         return None
@@ -156,8 +156,11 @@ def _target(name: str, method: Method, given: Mapping[str, Any]) -> int | None:
     try:
         number = parse_number(value, whole=True, tokens=True)
     except ValueError as error:
-        raise InvalidParameterError(f"{name}: parameter target={value!r}: {error}") from None
+        raise InvalidParameterError(f"{name}: parameter target={shown(value)}: {error}") from None
     return _coerce(name, TARGET, TARGET_PARAM, number)
+
+
+NAMED_UNKNOWN = 5  # unknown parameter names a refusal lists; the rest are counted
 
 
 def _check_names(name: str, method: Method, given: Mapping[str, Any]) -> None:
@@ -166,7 +169,11 @@ def _check_names(name: str, method: Method, given: Mapping[str, Any]) -> None:
     if unknown:
         known = ", ".join(method.params) or "none"
         hint = did_you_mean(unknown[0], method.params) if len(unknown) == 1 else ""
-        raise InvalidParameterError(f"{name}: unknown parameter {', '.join(unknown)}{hint}; its parameters: {known}")
+        named = ", ".join(key if key.isidentifier() and len(key) <= 40 else shown(key, 40)
+                          for key in unknown[:NAMED_UNKNOWN])
+        if len(unknown) > NAMED_UNKNOWN:  # 10,000 unknown names made a 69 KB line
+            named += f" and {len(unknown) - NAMED_UNKNOWN:,} more"
+        raise InvalidParameterError(f"{name}: unknown parameter {named}{hint}; its parameters: {known}")
 
 
 def canonical_params(name: str, given: Mapping[str, Any]) -> dict[str, Any]:

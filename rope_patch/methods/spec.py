@@ -4,14 +4,14 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidParameterError
 from .registry import METHODS, canonical_params, get_method, require_parameters
-from ..values import FALSE, TRUE, parse_bool, parse_number
+from ..values import (FALSE, TRUE, JSONReadError, NotRegularFileError, parse_bool, parse_json, parse_number,
+                      read_regular_file, shown)
 
 
 def _parse_value(text: str) -> Any:
@@ -42,7 +42,7 @@ def _check_depth(spec: str) -> None:
         depth += char in "[(" and 1 or (char in "])" and -1 or 0)
         deepest = max(deepest, depth)
     if deepest > MAX_SPEC_DEPTH:
-        raise InvalidParameterError(f"method spec {spec[:40]!r}...: brackets nested {deepest} deep (at most "
+        raise InvalidParameterError(f"method spec {shown(spec, 40)}: brackets nested {deepest} deep (at most "
                                     f"{MAX_SPEC_DEPTH}); a parameter is a number or one list, e.g. "
                                     "longrope:long_factor=[1,1.5]")
 
@@ -69,7 +69,7 @@ def split_combination(spec: str) -> list[tuple[str, dict[str, Any]]]:
     kinds = [get_method(name).kind for name, _ in parts]
     if len(parts) > 1 and sorted(kinds) != ["attention", "frequency"]:
         raise InvalidParameterError(
-            f"method spec {spec!r}: combine one frequency method with one attention method, "
+            f"method spec {shown(spec)}: combine one frequency method with one attention method, "
             "e.g. yarn:factor=2+self_extend:group=8,window=1024"
         )
     return parts
@@ -84,13 +84,13 @@ def frequency_and_attention(method: str | Mapping[str, Any],
     combination); None where there is none."""
     if isinstance(method, Mapping):  # {"name": "yarn", "factor": 2}, as a YAML list of methods may hold it
         if params:
-            raise InvalidParameterError(f"{method}: give the parameters in the spec or as keywords, not both")
+            raise InvalidParameterError(f"{shown(method)}: give the parameters in the spec or as keywords, not both")
         method, params = parse_method_spec(method)
     params = dict(params or {})
     if not (COMBINE.search(method) or ":" in method or method.strip().startswith(SPEC_FILE)):
         parts = [(method, params)]
     elif params:
-        raise InvalidParameterError(f"{method}: give the parameters in the spec or as keywords, not both, "
+        raise InvalidParameterError(f"{shown(method)}: give the parameters in the spec or as keywords, not both, "
                                     "e.g. patch(model, 'yarn:factor=2+rerope:window=512')")
     else:
         parts = split_combination(method)
@@ -112,32 +112,29 @@ SPEC_FILE_LIMIT = 2**20  # bytes: LongRoPE's per-pair factors of a 256-dimension
 
 def read_spec_file(spec: str) -> dict[str, Any]:
     """The mapping spec held by the JSON file ``spec`` names (``"@runs/search/best_method.json"``): long per-pair
-    lists such as longrope's factors go to the command line, YAML and Python as one short argument."""
+    lists such as longrope's factors go to the command line, YAML and Python as one short argument. Read as
+    ``values.parse_json`` reads JSON (a key given twice refused, as in a text spec and in YAML), from a regular file
+    only (``@`` a FIFO blocked forever; ``@/dev/zero`` is no spec)."""
     path = spec.strip()[len(SPEC_FILE):]
+    named = f"method spec {shown(spec)}: {shown(path)}"
+    example = "give the JSON file search writes, e.g. @runs/search/best_method.json"
     try:
-        with open(path, "rb") as f:
-            raw = f.read(SPEC_FILE_LIMIT + 1)  # bounded: @/dev/zero or a huge file must not be read to the end
-        if len(raw) > SPEC_FILE_LIMIT:
-            raise InvalidParameterError(f"method spec {spec!r}: {path!r} is larger than {SPEC_FILE_LIMIT // 2**20} "
-                                        "MiB, too large to be a method spec; give the JSON file search writes, e.g. "
-                                        "@runs/search/best_method.json")
-        value = json.loads(raw.decode("utf-8"))
-    except InvalidParameterError:
-        raise
+        raw = read_regular_file(path, SPEC_FILE_LIMIT)  # bounded: a huge file must not be read to the end
+    except NotRegularFileError as error:
+        raise InvalidParameterError(f"{named} is {error}, not a file; {example}") from None
     except (OSError, ValueError) as error:  # ValueError: a NUL in the path
-        if isinstance(error, json.JSONDecodeError):
-            raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not JSON ({error.msg} at line "
-                                        f"{error.lineno})") from None
-        if isinstance(error, UnicodeDecodeError):
-            raise InvalidParameterError(f"method spec {spec!r}: {path!r} is not UTF-8 text (byte {error.start}); give "
-                                        "the JSON file search writes, e.g. @runs/search/best_method.json") from None
         why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise InvalidParameterError(f"method spec {spec!r}: cannot read {path!r} ({why}); "
-                                    "give @FILE with a JSON spec, e.g. @runs/search/best_method.json") from None
-    except RecursionError:
-        raise InvalidParameterError(f"method spec {spec!r}: {path!r} nests too deeply to be a method spec") from None
+        raise InvalidParameterError(f"{named}: cannot read it ({why}); give @FILE with a JSON spec, e.g. "
+                                    "@runs/search/best_method.json") from None
+    if len(raw) > SPEC_FILE_LIMIT:
+        raise InvalidParameterError(f"{named} is larger than {SPEC_FILE_LIMIT // 2**20} MiB, too large to be a method "
+                                    f"spec; {example}")
+    try:
+        value = parse_json(raw, unique_keys=True)
+    except JSONReadError as error:
+        raise InvalidParameterError(f"{named} is {error}; {example}") from None
     if not isinstance(value, dict):
-        raise InvalidParameterError(f"method spec {spec!r}: {path!r} must hold one JSON object, "
+        raise InvalidParameterError(f"{named} must hold one JSON object, "
                                     'e.g. {"name": "longrope", "long_factor": [...], ...}')
     return value
 
@@ -151,7 +148,7 @@ def parse_single_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any
         params = dict(spec)
         name = params.pop("name", params.pop("method", None))
         if not name or not isinstance(name, str):
-            raise InvalidParameterError(f"method spec {dict(spec)!r} needs a 'name' key naming a method, e.g. "
+            raise InvalidParameterError(f"method spec {shown(dict(spec))} needs a 'name' key naming a method, e.g. "
                                         "{name: yarn, factor: 2}")
     else:
         _check_depth(str(spec))
@@ -160,10 +157,11 @@ def parse_single_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any
         for item in _split_top_level(rest) if rest.strip() else []:
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
-                raise InvalidParameterError(f"method spec {spec!r}: write parameters as key=value, e.g. yarn:factor=4")
+                raise InvalidParameterError(f"method spec {shown(spec)}: write parameters as key=value, e.g. "
+                                            "yarn:factor=4")
             if key.strip() in params:
-                raise InvalidParameterError(f"method spec {spec!r}: {key.strip()} is given twice; give each parameter "
-                                            "once")
+                raise InvalidParameterError(f"method spec {shown(spec)}: {shown(key.strip())[1:-1]} is given twice; "
+                                            "give each parameter once")
             params[key.strip()] = _parse_value(value)
     return name.strip(), canonical_params(name.strip(), params)
 

@@ -181,3 +181,258 @@ def test_a_path_object_from_python_is_still_accepted(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(errors.ConfigError, match="is a file"):
         EvalConfig(output=tmp_path / "file")
+
+
+# ------------------------------------------------------------------------------------------------ regressions (issue 46)
+
+ALIAS_BOMB = (  # 9 levels of 9 aliases: 387 million strings once expanded, 316 bytes written
+    'seed: [&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"],\n'
+    + "".join(f" &{b} [{', '.join(['*' + a] * 9)}],\n" for a, b in zip("abcdefg", "bcdefgh"))
+    + " ]\nlengths: [*h]\n")
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_line_under_a_small_memory_limit(tmp_path):
+    """The bomb's values are built shared (small); ``repr`` of them in the refusal of ``lengths`` was a 312 MB line
+    after a minute under a 2 GiB cap (a MemoryError under less). Run as the command line runs, in a process capped at
+    2 GiB of address space; the timeout only keeps a regression from hanging the suite."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from tests.cpu_launch import ROOT
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+    done = subprocess.run([sys.executable, "-m", "rope_patch", "eval", "--config", str(path)], capture_output=True,
+                          text=True, timeout=600, preexec_fn=cap, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stderr[-500:]
+    assert len(done.stderr) < 400 and done.stderr.count("\n") == 1, done.stderr[:400]
+    assert "aliases expand it to more than 65,536 values" in done.stderr
+
+
+def test_yaml_aliases_are_counted_once_expanded_and_cycles_refused(tmp_path):
+    from rope_patch.jobs.options import YAML_VALUE_LIMIT
+
+    path = tmp_path / "config.yaml"
+    for text, why in [("lengths: &a [16, *a]\n", "refers to a list or mapping that holds it"),
+                      ("seed: {a: &m {b: *m}}\n", "refers to a list or mapping that holds it"),
+                      ("seed: &a [" + ", ".join(["1"] * 256) + "]\nlengths: [" + ", ".join(["*a"] * 256) + "]\n",
+                       "expand it to more than"),
+                      ("seed: &a {" + ", ".join(f"k{i}: {i}" for i in range(256)) + "}\nlengths: [{<<: *a}"
+                       + ", {<<: *a}" * 255 + "]\n", "expand it to more than")]:
+        path.write_text(text)
+        with pytest.raises(errors.ConfigError, match=why) as refused:
+            EvalConfig.read_yaml(path)
+        one_line(refused.value)
+    # aliases below the limit are read as YAML reads them: a value given once and used twice
+    path.write_text("lengths: &l [16, 32]\nseed: 3\nmethod: [&m 'yarn:factor=2', *m]\n")
+    assert EvalConfig(**EvalConfig.read_yaml(path)).lengths == [16, 32]
+    path.write_text("seed: &a [" + ", ".join(["1"] * (YAML_VALUE_LIMIT - 3)) + "]\n")  # the mapping, key, list
+    assert len(EvalConfig.read_yaml(path)["seed"]) == YAML_VALUE_LIMIT - 3
+    path.write_text("seed: &a [" + ", ".join(["1"] * (YAML_VALUE_LIMIT - 2)) + "]\n")
+    with pytest.raises(errors.ConfigError, match="expand it to more than"):
+        EvalConfig.read_yaml(path)
+
+
+YAML_SCALARS = st.sampled_from(["1", "16", "16k", "-1", "1e300", ".nan", "true", "null", "''", "runs/x", "9" * 5000,
+                                "'yarn:factor=2'", "'linear:factor=2'", "as-loaded", "{name: yarn, factor: 2}",
+                                "'x' ", "!!binary aGk=", "2001-12-14"])
+YAML_KEYS = st.sampled_from([f.name for f in dataclasses.fields(EvalConfig)] + ["bogus", "<<", "?", "1"])
+
+
+@st.composite
+def yaml_with_aliases(draw):
+    """A config of random keys whose values are random flow structures with anchors (``&aN``) on any node and
+    aliases (``*aN``) to any node defined before, or to a list or mapping holding the alias (a cycle), merges
+    (``<<: *aN``), and sometimes a chain of lists of nine aliases each (a bomb of 9^n values)."""
+    defined: list[str] = []  # anchors an alias may name: those defined before, and those of the nodes around it
+    count = iter(range(10**6))
+
+    def node(depth: int) -> str:
+        if depth < 3 and draw(st.integers(0, 3)) == 0 or not defined:
+            kind = draw(st.sampled_from(["list", "mapping", "chain"] + ["scalar"] * 5 if depth < 3 else ["scalar"]))
+        else:
+            kind = draw(st.sampled_from(["alias", "scalar", "scalar", "list"] if depth < 3 else ["alias", "scalar"]))
+        if kind == "alias":
+            return "*" + draw(st.sampled_from(defined))
+        name = f"a{next(count)}" if draw(st.booleans()) else None
+        if name and kind in ("list", "mapping") and draw(st.integers(0, 3)) == 0:
+            defined.append(name)  # visible inside: an alias there names the node that holds it
+        if kind == "list":
+            text = "[" + ", ".join(node(depth + 1) for _ in range(draw(st.integers(0, 9)))) + "]"
+        elif kind == "mapping":
+            keys = draw(st.lists(st.sampled_from(["a", "b", "name", "factor", "<<"]), unique=True, max_size=4))
+            text = "{" + ", ".join(f"{key}: {node(depth + 1)}" for key in keys) + "}"
+        elif kind == "chain":
+            text = "[" + ", ".join(["x"] * 9) + "]"
+            for _ in range(draw(st.sampled_from([1, 2, 9]))):  # 9: 387 million values
+                inner = f"c{next(count)}"
+                text = f"[&{inner} {text}" + f", *{inner}" * 8 + "]"
+                defined.append(inner)
+        else:
+            text = draw(YAML_SCALARS)
+        if name is None:
+            return text
+        if name not in defined:
+            defined.append(name)
+        return f"&{name} {text}"
+
+    keys = draw(st.lists(YAML_KEYS, min_size=1, max_size=5, unique=True))
+    return "".join(f"{key}: {node(0)}\n" for key in keys)
+
+
+@FUZZ
+@given(text=yaml_with_aliases())
+def test_any_yaml_with_aliases_gives_a_config_or_one_line(text, tmp_path):
+    """issue 46: a config whose aliases expand it past what memory holds; anything else YAML's anchors and aliases
+    can say (cycles, merges of aliases, aliases as keys) is a config or one line, never a traceback."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    for config in (EvalConfig, FinetuneConfig):
+        try:
+            config(**config.read_yaml(path))
+        except Exception as error:  # noqa: BLE001
+            one_line(error)
+            assert len(str(error)) < 2000, str(error)[:2000]
+
+
+def test_a_config_that_is_a_folder_or_a_fifo_is_called_what_it_is(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    for path, what in [(tmp_path, "is a folder"), (fifo, "is a FIFO"), (tmp_path / "none.yaml", "does not exist")]:
+        assert main(["eval", "--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert what in err and len(err.splitlines()) == 1, err
+
+
+def test_the_stride_refusal_suggests_a_stride_that_is_accepted():
+    """It suggested 256 whatever was refused, 256 included. The suggestion, given back, is accepted."""
+    import re
+
+    from rope_patch.eval.windows import Protocol
+
+    for lengths, bos_id in [([128], None), ([128], 1), ([4096, 300], None), ([4], 1), ([3], None)]:
+        with pytest.raises(errors.ConfigError, match="smaller --stride") as refused:
+            Protocol("sliding", 512, bos_id).check(lengths)
+        suggested = int(re.search(r"e\.g\. (\d+)", str(refused.value)).group(1))
+        Protocol("sliding", suggested, bos_id).check(lengths)
+    with pytest.raises(errors.ConfigError, match="e.g. 64,"):
+        EvalConfig(protocol="sliding", stride=256, lengths=[128])
+    assert EvalConfig(protocol="sliding", stride=64, lengths=[128]).stride == 64
+
+
+def test_an_lm_eval_task_whose_data_is_not_cached_offline_is_one_line(tiny_folder, tmp_path):
+    """``HF_HUB_OFFLINE=1 rope-patch lm-eval --tasks hellaswag`` with hellaswag's data set not in the cache ended in
+    datasets' ``ConnectionError`` traceback. Run as a user runs it, with an empty cache; the task is hellaswag's data
+    set under a task file of its own (--include-path: lm-eval's 14,000 task files are not indexed, 50 s of CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("lm_eval")
+    from tests.cpu_launch import ROOT
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "hellaswag_offline.yaml").write_text(
+        "task: hellaswag_offline\ndataset_path: Rowan/hellaswag\noutput_type: loglikelihood\nvalidation_split: "
+        "validation\ndoc_to_text: '{{ctx}}'\ndoc_to_target: '{{endings[0]}}'\nmetric_list:\n  - metric: acc\n")
+    cache = tmp_path / "empty-cache"
+    environment = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache),
+                                "HF_DATASETS_CACHE": str(cache / "datasets")}
+    done = subprocess.run([sys.executable, "-m", "rope_patch", "lm-eval", "--tasks", "hellaswag_offline",
+                           "--include-path", str(tasks), "--model", str(tiny_folder[0]), "--limit", "1", "--progress",
+                           "off", "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=environment)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "not in the local cache and offline mode is on" in err[-1] and "'hellaswag_offline'" in err[-1], err
+
+
+def test_search_scoring_lines_say_search(tiny_llama, tmp_path, capsys):
+    """The held-out comparison runs eval's scoring loop, whose lines said "rope-patch eval:" inside a search."""
+    import numpy as np
+
+    from rope_patch.data.tokens import TokenizedDocument
+    from rope_patch.eval.perplexity import KEY_FIELDS
+    from rope_patch.eval.search import compare_methods
+    from rope_patch.eval.store import open_store
+    from rope_patch.eval.windows import Protocol
+
+    documents = [TokenizedDocument(f"d{i}", (np.arange(40, dtype=np.int32) * (i + 3)) % 90 + 4) for i in range(2)]
+    methods = {"linear": "linear:factor=2"}
+    for setup in ({"run": 1}, {"run": 1}, {"run": 2}):  # the second resumes; the third finds rows of other settings
+        with open_store(tmp_path / "heldout.jsonl", KEY_FIELDS, job="rope-patch search") as store:
+            compare_methods(tiny_llama, documents, methods, 32, Protocol("truncate"), store=store, setup=setup,
+                            progress=False)
+    err = capsys.readouterr().err
+    assert "rope-patch search: resuming" in err and "rope-patch search: " in err.split("resuming", 1)[1], err
+    assert "rope-patch eval" not in err, err
+
+
+@pytest.mark.parametrize("rope, named", [
+    ("yarn", "rope_parameters is 'yarn', not a mapping"),
+    ([1, 2], "rope_parameters is [1, 2], not a mapping"),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}, "original_max_position_embeddings is 0"),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": "8k"},
+     "original_max_position_embeddings is '8k'"),
+    ({"rope_type": "linear", "factor": "2"}, "factor is '2', not a number"),
+])
+def test_a_bad_rope_parameters_is_named_not_called_a_tokenizer_problem(tiny_folder, capsys, rope, named):
+    """It was "cannot load the tokenizer ... copy the tokenizer files" (eval: the tokenizer loads the config first)
+    or a traceback (inspect; ZeroDivisionError for a native length of 0)."""
+    import json
+
+    folder, corpus = tiny_folder
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = rope if not isinstance(rope, dict) else {"rope_theta": 10000.0, **rope}
+    (folder / "config.json").write_text(json.dumps(config))
+    for argv in (["inspect", str(folder)], ["eval", "--model", str(folder), "--dataset", str(corpus), "--lengths", "16",
+                                            "--documents", "1", "--output", str(folder.parent / "out")]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and named in err and "config.json" in err and "tokenizer" not in err, err
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"model.layers.0": ' + "9" * 4301 + "}", "integer of 4,301 digits"),
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
+    ('{"model.layers.0": 0, "model.layers.0": "disk"}', "'model.layers.0' is given twice"),
+])
+def test_json_files_python_cannot_read_are_one_line(tiny_folder, tmp_path, capsys, text, why):
+    """A >4,300-digit integer (ValueError) or deep nesting (RecursionError) in a --device-map file or a fine-tuned
+    folder's training_documents.json was a traceback: only JSONDecodeError was caught."""
+    from rope_patch.data.heldout import TRAINING_MANIFEST, trained_hashes
+    from rope_patch.loading import parse_device_map
+
+    path = tmp_path / "map.json"
+    path.write_text(text)
+    assert main(["eval", "--device-map", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert why in err and len(err.splitlines()) == 1 and len(err) < 400, err[:400]
+    with pytest.raises(errors.ConfigError, match=why) as refused:  # the same JSON given as the option's value
+        parse_device_map(text)
+    one_line(refused.value)
+    folder = tiny_folder[0]
+    manifest = text.replace('"model.layers.0"', '"documents"').replace('"a"', '"documents"')
+    (folder / TRAINING_MANIFEST).write_text(manifest)
+    if "twice" in why:  # a manifest is rope_patch's own: the last key is json's reading, kept
+        with pytest.raises(errors.DataError, match="is unreadable"):
+            trained_hashes(folder)
+        return
+    with pytest.raises(errors.DataError, match=why) as refused:
+        trained_hashes(folder)
+    one_line(refused.value)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(folder), "--dataset", str(tiny_folder[1]), "--lengths", "16", "--documents",
+                 "1", "--output", str(tmp_path / "out"), "--progress", "off"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert why in err.splitlines()[-1] and TRAINING_MANIFEST in err and "Traceback" not in err, err[-400:]

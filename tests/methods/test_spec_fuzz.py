@@ -5,6 +5,9 @@ one method is one label."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+import threading
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from rope_patch.methods import (
 )
 from rope_patch.methods.attention import far_relative_position
 from rope_patch.methods.registry import REQUIRED
+from rope_patch.methods.spec import check_spec_alone
 
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -251,7 +255,8 @@ def test_a_spec_file_is_read_with_a_size_limit(tmp_path, source):
     if source == "big":
         path = tmp_path / "big.json"
         path.write_text(json.dumps({"name": "linear", "factor": 2}) + " " * SPEC_FILE_LIMIT)  # valid JSON, too big
-    with pytest.raises(errors.InvalidParameterError, match="too large to be a method spec") as refused:
+    why = "is a device, not a file" if source == "/dev/zero" else "too large to be a method spec"
+    with pytest.raises(errors.InvalidParameterError, match=why) as refused:
         parse_method_spec(f"@{path}")
     assert len(str(refused.value).splitlines()) == 1
     small = tmp_path / "small.json"
@@ -273,3 +278,134 @@ def test_deeply_nested_brackets_are_refused_before_recursion(depth):
         parse_method_spec("yarn:factor=" + "[" * MAX_SPEC_DEPTH + "2" + "]" * MAX_SPEC_DEPTH)
     assert parse_method_spec("longrope:long_factor=[1,1.5],short_factor=[1,1],original_max_position_embeddings=64"
                              )[0] == "longrope"
+
+
+# ------------------------------------------------------------------------------------------------ JSON spec files
+# issue 46: a >4,300-digit integer (ValueError) or deep nesting (RecursionError) in @FILE were tracebacks, a key given
+# twice kept the last silently, @FIFO blocked forever, and 10,000 unknown parameters made a 69 KB line.
+
+HUGE_INTEGER = "9" * 4301  # one digit past what int() reads from text
+JSON_LEAVES = st.one_of(
+    st.sampled_from(["null", "true", "false", "0", "2", "-1", "2.5", "1e999", "-1e999", "NaN", "Infinity", '"2"',
+                     '"yarn"', '""', "1" + "0" * 400, HUGE_INTEGER, "-" + "9" * 10_000, "1e-400"]),
+    st.floats(allow_nan=False, allow_infinity=False).map(json.dumps),
+    st.integers(-(10**30), 10**30).map(str),
+)
+PARAM_KEYS = st.sampled_from(sorted({key for m in METHODS.values() for key in m.params}) + ["name", "method", "bogus"])
+
+
+def _json_object(pairs: list[tuple[str, str]]) -> str:
+    return "{" + ",".join(f"{json.dumps(key)}:{value}" for key, value in pairs) + "}"
+
+
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.one_of(st.lists(inner, max_size=4).map(lambda items: "[" + ",".join(items) + "]"),
+                            st.lists(st.tuples(PARAM_KEYS, inner), max_size=3).map(_json_object)),
+    max_leaves=12,
+)
+
+
+@st.composite
+def json_spec_texts(draw):
+    """The text of a JSON spec file: an object naming a method (keys possibly twice) whose values are random JSON,
+    big numbers and nesting from 0 to 100,000 deep included; or any JSON value at all; or that text cut short."""
+    if draw(st.integers(0, 4)) == 0:
+        text = draw(JSON_VALUES)
+    else:
+        name = json.dumps(draw(NAMES))
+        pairs = draw(st.lists(st.tuples(PARAM_KEYS, JSON_VALUES), max_size=4))
+        text = _json_object([("name", name)] + pairs)
+    depth = draw(st.sampled_from([0, 0, 0, 1, 50, 3000, 100_000]))
+    text = "[" * depth + text + "]" * depth
+    if draw(st.integers(0, 9)) == 0:
+        text = text[:draw(st.integers(0, len(text)))]
+    return text
+
+
+SPEC_DIR = tempfile.mkdtemp(prefix="rope-patch-spec-fuzz-")  # hypothesis reruns the test body: no per-test tmp_path
+
+
+@FUZZ
+@given(json_spec_texts())
+def test_json_spec_files_give_a_method_or_one_line(text):
+    path = os.path.join(SPEC_DIR, "spec.json")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    check_spec(f"@{path}")
+
+
+NESTED_NUMBERS = st.builds(lambda depth, number: "[" * depth + number + "]" * depth,
+                           st.sampled_from([0, 1, 2, 8, 9, 50, 5000]),
+                           st.sampled_from(["2", HUGE_INTEGER, "1" + "0" * 63, "1e999", "9" * 64, "2,[3,[4]]", ""]))
+
+
+@FUZZ
+@given(NAMES, st.lists(st.tuples(st.sampled_from(["factor", "window", "long_factor", "bogus"]), NESTED_NUMBERS),
+                       max_size=3))
+def test_text_specs_with_nesting_and_big_numbers_give_a_method_or_one_line(name, items):
+    check_spec(name + (":" + ",".join(f"{key}={value}" for key, value in items) if items else ""))
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"name": "yarn", "factor": ' + HUGE_INTEGER + "}", "integer of 4,301 digits"),
+    ('{"name": "yarn", "factor": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
+    ('{"name": "yarn", "factor": 2, "factor": 4}', "'factor' is given twice"),
+    ('{"name": "yarn", "name": "linear", "factor": 2}', "'name' is given twice"),
+])
+def test_json_spec_files_that_python_cannot_read_are_one_line(tmp_path, text, why):
+    path = tmp_path / "spec.json"
+    path.write_text(text)
+    with pytest.raises(errors.InvalidParameterError, match=why) as refused:
+        parse_method_spec(f"@{path}")
+    _one_line_refusal(refused.value)
+    assert len(str(refused.value)) < 300
+
+
+def test_a_spec_file_that_is_a_fifo_or_a_folder_is_refused_without_waiting(tmp_path):
+    """``@FIFO`` blocked in open() until a writer came: forever. The thread is only a guard that turns a hang into a
+    failure; the assertion is on the refusal."""
+    fifo = tmp_path / "spec.json"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def parse() -> None:
+        try:
+            parse_method_spec(f"@{fifo}")
+        except Exception as error:  # noqa: BLE001
+            outcome.append(error)
+
+    reader = threading.Thread(target=parse, daemon=True)
+    reader.start()
+    reader.join(60)
+    if reader.is_alive():  # unblock the old code's open() so the thread ends, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("@FIFO blocked")
+    assert isinstance(outcome[0], errors.InvalidParameterError) and "FIFO" in str(outcome[0]), outcome
+    _one_line_refusal(outcome[0])
+    with pytest.raises(errors.InvalidParameterError, match="is a folder, not a file"):
+        parse_method_spec(f"@{tmp_path}")
+
+
+def test_many_unknown_parameters_are_named_a_few_and_counted():
+    spec = "yarn:factor=2," + ",".join(f"p{i}=1" for i in range(10_000))
+    with pytest.raises(errors.InvalidParameterError, match="unknown parameter p0, p1, p10, p100, p1000 and 9,995 more"
+                       ) as refused:
+        parse_method_spec(spec)
+    assert len(str(refused.value)) < 500  # was 69 KB
+    with pytest.raises(errors.InvalidParameterError, match="unknown parameter fctor .did you mean factor"):
+        parse_method_spec("yarn:fctor=2")
+
+
+def test_a_mapping_spec_with_a_huge_value_is_refused_in_a_short_line():
+    """``repr`` of the value in the message: a YAML alias bomb's billion shared items, or a 10 MB string."""
+    bomb = ["x"] * 10
+    for _ in range(9):
+        bomb = [bomb] * 10  # 10^10 items, shared: repr would never end
+    for spec in ({"name": "yarn", "factor": bomb}, {"name": "longrope", "long_factor": bomb},
+                 {"name": "yarn", "factor": "9" * 10**7}, {"name": bomb},
+                 {"name": "yarn", "k" * 10**7: 1}):
+        with pytest.raises(errors.RopePatchError) as refused:
+            check_spec_alone(spec)
+        _one_line_refusal(refused.value)
+        assert len(str(refused.value)) < 400, str(refused.value)[:400]

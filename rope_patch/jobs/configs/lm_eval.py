@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ...choices import LM_EVAL_BACKENDS
 from ...errors import ConfigError
+from ...values import JSONReadError, parse_json, shown
 from ..options import flag, option
 from .sweep import SweepConfig, report_to_option
 
@@ -96,10 +96,10 @@ def parse_metadata(value: Any) -> dict[str, Any] | None:
     if value is None or isinstance(value, dict):
         return value
     try:
-        parsed = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{flag('metadata')} is not valid JSON ({error.msg} at character {error.pos}): give an "
-                          f"object such as {METADATA_EXAMPLE}") from None
+        parsed = parse_json(value, unique_keys=True) if isinstance(value, str) else value
+    except JSONReadError as error:
+        raise ConfigError(f"{flag('metadata')} is not valid JSON ({error.detail}): give an object such as "
+                          f"{METADATA_EXAMPLE}") from None
     if not isinstance(parsed, dict):
-        raise ConfigError(f"{flag('metadata')} {value!r}: give a JSON object such as {METADATA_EXAMPLE}")
+        raise ConfigError(f"{flag('metadata')} {shown(value)}: give a JSON object such as {METADATA_EXAMPLE}")
     return parsed
