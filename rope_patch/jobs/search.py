@@ -178,7 +178,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     budget = min(config.candidates or evolution.candidates, evolution.candidates)
     compared = 2 + len(config.method or COMPARED)
     show_plan(search_plan(budget, config.target_length, len(heldin), compared, len(heldout)), model, JOB,
-              progress=config.progress)
+              progress=config.progress, estimate_for=config.estimate_for)
     bar = tqdm(total=budget, unit="candidate", desc="search", disable=not config.progress, dynamic_ncols=True)
     best = [float("inf")]
 
