@@ -53,6 +53,17 @@ def jsonl_rows(keys: tuple[str, ...], values: tuple[str, ...], name: str = "resu
     return read
 
 
+def csv_rows(keys: tuple[str, ...], values: tuple[str, ...], name: str):
+    """A reader of a CSV log (finetune's train_log.csv): each row's ``keys`` and ``values`` columns, as numbers."""
+    import csv
+
+    def read(output: Path) -> list[tuple[tuple, dict]]:
+        path = output / name
+        with path.open() if path.exists() else open(os.devnull) as f:
+            return [(tuple(row[k] for k in keys), {v: float(row[v]) for v in values}) for row in csv.DictReader(f)]
+    return read
+
+
 @dataclass
 class Launched:
     returncode: int
