@@ -11,6 +11,15 @@ makes the watcher print the resume command and leave with status 130, whatever t
 
 Outside a forward (loading, tokenizing, writing reports) the first signal raises ``JobInterrupted`` as soon as the
 main thread runs Python again. Without ``listening`` (a Python caller), nothing here changes Python's own Ctrl-C.
+
+One mechanism, two policies. Evaluations stop at the next decoder layer (``stoppable``); training stops at the end of
+its optimizer step (``train/interrupt.py``'s ``StopRequest``, which takes the signals over and agrees on the step
+across processes with one all-reduce). Under ``accelerate launch`` or torchrun, Ctrl-C reaches the launcher, which
+sends it to every process; a signal may also reach one process alone. While an evaluation's forwards run, each
+process shares its stop through the process group's key-value store (``_StopExchange``: a key set by the first
+process stopped, polled by the others a few times a second), so every process stops at its next layer. A process
+left waiting in a collective for one that stopped is released when that one exits, and that error is a stop too.
+Only the main process (rank 0) says anything: the notice, and the one command that resumes.
 """
 
 from __future__ import annotations
@@ -30,6 +39,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 TILED_FROM = 8192  # forwards of this many tokens or more run SDPA over query tiles, the stop checked between them
 STOP_TILE = 2048  # queries per tile: a 32k-token layer's attention in 16 steps
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
+POLL_SECONDS = 0.2  # how often a process of a multi-process evaluation looks for another one's stop
+
+
+def is_main_process() -> bool:
+    """Whether this process speaks for the run: rank 0 of ``accelerate launch``/torchrun (their ``RANK``), or a
+    process started alone. Read from the environment, so it holds before the process group exists."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 class JobInterrupted(KeyboardInterrupt):
@@ -52,6 +68,8 @@ class StopControl:
         self.farewell = ""  # what the second signal prints before the process ends
         self.notice = ""  # what the first signal prints
         self.on_layer: Callable[[int, int], None] | None = None  # (layers done, layers) during one forward
+        self.exchanges = 0  # stoppable blocks entered: each multi-process one shares its stop under its own key
+        self.quiet = 0  # > 0 while the command line reports a stop: further signals wait for it
 
     @contextlib.contextmanager
     def listening(self, *, notice: str, farewell: str) -> Iterator[StopControl]:
@@ -80,7 +98,7 @@ class StopControl:
 
     def _handle(self, number: int, frame) -> None:
         """Python's part, in the main thread between bytecodes: outside a forward, stop right here."""
-        if not self.armed and not self.delegated:
+        if not self.armed and not self.delegated and not self.quiet:
             raise JobInterrupted()
 
     def _watch(self, read_end: int) -> None:
@@ -92,7 +110,7 @@ class StopControl:
             if not received:
                 return
             for number in received:
-                if number not in STOP_SIGNALS or self.delegated:
+                if number not in STOP_SIGNALS or self.delegated or self.quiet:
                     continue
                 self.signals += 1
                 if self.signals == 1:
@@ -102,6 +120,16 @@ class StopControl:
                 else:
                     _say(self.farewell)
                     os._exit(INTERRUPTED_STATUS)
+
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """While the command line says how a stopped run resumes, a further signal (a launcher ending the processes
+        of a run one of which stopped) neither interrupts the message nor prints a second one."""
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
 
     def check(self, where: str = "") -> None:
         """Raise ``JobInterrupted`` if a stop was asked (a safe point: nothing half-written)."""
@@ -122,11 +150,24 @@ class StopControl:
             hooks.append(layer.register_forward_pre_hook(self._layer_hook(index, len(layers))))
             hooks += [child.register_forward_pre_hook(before_part) for child in layer.children()]
         self.armed += 1
+        self.exchanges += 1
+        exchange = _StopExchange.start(self, f"rope_patch/stop/{self.exchanges}")
         try:
             with self._sdpa_in_query_tiles():
                 yield
+        except KeyboardInterrupt:
+            if exchange is not None:  # told before this process leaves: the others may be waiting for it
+                exchange.publish()
+            raise
+        except Exception as error:  # a collective left by a process that stopped: a stop here too, said in one line
+            if self.requested.is_set() or (exchange is not None and exchange.asked_elsewhere()):
+                self.requested.set()
+                raise JobInterrupted("while the other processes stopped") from error
+            raise
         finally:
             self.armed -= 1
+            if exchange is not None:
+                exchange.close()
             for hook in hooks:
                 hook.remove()
 
@@ -196,6 +237,63 @@ class StopControl:
             self.on_layer = previous
 
 
+class _StopExchange:
+    """A stop shared by every process of a run through the process group's store (the launcher's TCP store): the
+    first process stopped sets ``key`` (at once, by its poller, and in any case before it leaves); a thread in each
+    polls it every ``POLL_SECONDS`` and stops its own process. Only where a process group of several processes
+    exists."""
+
+    def __init__(self, control: StopControl, store, key: str) -> None:
+        self.control, self.store, self.key = control, store, key
+        self.closed = threading.Event()
+        self.published = False
+        self.thread = threading.Thread(target=self._poll, name="rope-patch-stop-exchange", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def start(cls, control: StopControl, key: str) -> _StopExchange | None:
+        try:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+                return None
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001  no store to share through: each process hears its own signals
+            return None
+        return cls(control, store, key)
+
+    def asked_elsewhere(self) -> bool:
+        try:
+            return bool(self.store.check([self.key]))
+        except Exception:  # noqa: BLE001  the store went with the launcher
+            return False
+
+    def publish(self) -> None:
+        """Tell the other processes (once) that this one stops."""
+        if not self.published:
+            self.published = True
+            try:
+                self.store.set(self.key, "1")
+            except Exception:  # noqa: BLE001  the store went with the launcher, which stops every process itself
+                pass
+
+    def _poll(self) -> None:
+        while not self.closed.wait(POLL_SECONDS):
+            try:
+                if self.control.requested.is_set():
+                    self.publish()
+                elif self.store.check([self.key]):
+                    self.control.requested.set()
+                    if self.control.armed and is_main_process():
+                        _say(self.control.notice)
+            except Exception:  # noqa: BLE001  the store is gone (the launcher stopped): each process on its own
+                return
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join(timeout=5)
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder's layers in order: its ``layers``, else the longest ``nn.ModuleList`` of the model."""
     from torch import nn
@@ -209,8 +307,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _say(message: str) -> None:
-    """One message on its own line, clearing a progress bar's line first (from any thread)."""
-    if not message:
+    """One message on its own line, clearing a progress bar's line first (from any thread); only the main process
+    speaks."""
+    if not message or not is_main_process():
         return
     try:
         from tqdm import tqdm

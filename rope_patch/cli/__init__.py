@@ -24,7 +24,7 @@ from .. import __version__
 from ..choices import AS_LOADED, BUILT_IN_METHODS
 from ..errors import RopePatchError
 from ..hub import progress_bars
-from ..stopping import CONTROL, INTERRUPTED_STATUS, JobInterrupted
+from ..stopping import CONTROL, INTERRUPTED_STATUS, JobInterrupted, is_main_process
 from ..jobs import JOBS, Job
 from ..jobs.options import JobConfig, RenamedOptionWarning, renamed
 from .arguments import add_config_arguments, usage
@@ -167,7 +167,11 @@ def _main(argv: list[str] | None, args: list[str], verb: str) -> int:
     farewell = f"{name}: stopped at once; finished results are saved; resume with:\n{command}"
     try:
         with CONTROL.listening(notice=notice, farewell=farewell):
-            result = run(argv)
+            try:
+                result = run(argv)
+            except KeyboardInterrupt as stop:  # said while the signals are still ours: a launcher's SIGTERM waits
+                with CONTROL.reporting():
+                    return _interrupted(stop, name, command, args, argv)
         if getattr(result, "main_process", True):  # under accelerate launch, only the main process reports
             print(result)
         return 0
@@ -180,18 +184,25 @@ def _main(argv: list[str] | None, args: list[str], verb: str) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt as stop:
-        from ..train.interrupt import TrainingInterrupted  # imported already where training raised it
+        return _interrupted(stop, name, command, args, argv)
 
-        close_progress_bars()  # the message below starts a line of its own, never glued to a bar
-        if not isinstance(stop, TrainingInterrupted):
-            where = f" {stop.where}" if isinstance(stop, JobInterrupted) and stop.where else ""
-            print(f"{name}: interrupted{where}; finished results are saved; resume with:\n{command}",
-                  file=sys.stderr)
-        elif stop.main_process:
-            command = shlex.join(with_resume(args, stop.resume))
-            print(f"{name}: {stop.describe()}; {'resume' if stop.resume else 'start again'} with:\n"
-                  f"{program(argv is not None)} {command}", file=sys.stderr)
-        return INTERRUPTED_STATUS
+
+def _interrupted(stop: KeyboardInterrupt, name: str, command: str, args: list[str], argv: list[str] | None) -> int:
+    """Say how the run stopped and the command that resumes it (the main process only); the exit status."""
+    from ..train.interrupt import TrainingInterrupted  # imported already where training raised it
+
+    close_progress_bars()  # the message below starts a line of its own, never glued to a bar
+    if not isinstance(stop, TrainingInterrupted):
+        if not is_main_process():  # under accelerate launch, the main process says the one command
+            return INTERRUPTED_STATUS
+        where = f" {stop.where}" if isinstance(stop, JobInterrupted) and stop.where else ""
+        print(f"{name}: interrupted{where}; finished results are saved; resume with:\n{command}",
+              file=sys.stderr)
+    elif stop.main_process:
+        command = shlex.join(with_resume(args, stop.resume))
+        print(f"{name}: {stop.describe()}; {'resume' if stop.resume else 'start again'} with:\n"
+              f"{program(argv is not None)} {command}", file=sys.stderr)
+    return INTERRUPTED_STATUS
 
 
 def close_progress_bars() -> None:

@@ -111,8 +111,10 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     check_chunked_loss(model, probe if not protocol.bos else torch.cat([probe.new_full((1, 1), protocol.bos_id), probe], 1))
 
     plan = eval_plan(config.method, config.lengths, lambda tokens, n: len(protocol.windows(0, tokens, n)),
-                     [len(d) for d in chosen], protocol=config.protocol, shared=not positions_follow_length(model))
-    show_plan(plan, model, JOB, progress=config.progress and accelerator.is_main_process)
+                     [len(d) for d in chosen], protocol=config.protocol, shared=not positions_follow_length(model),
+                     split=config.sequence_parallel if config.tp_plan is None else accelerator.num_processes)
+    show_plan(plan, model, JOB, progress=config.progress, main=accelerator.is_main_process,
+              processes=accelerator.num_processes, estimate_for=config.estimate_for)
     settings = {"model": loaded.label, "dtype": loaded.dtype, "data": config.dataset or "stdlib (embedded default corpus)",
                 "split": config.split, "text_field": config.text_field, "protocol": config.protocol,
                 "stride": protocol.effective_stride, "bos": protocol.bos, "documents": [d.id for d in chosen],

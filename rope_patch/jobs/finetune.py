@@ -47,7 +47,7 @@ from ..train.loop import (TrainingProgress, enable_activation_checkpointing, for
 from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
 from .preflight import check_output_writable
 from .configs.finetune import FinetuneConfig
-from .plans import finetune_plan, show_plan
+from .plans import Training, finetune_plan, model_shape, show_plan
 
 # Settings that change the trained weights, besides the model's and the training tokens' fingerprints, the global
 # batch and the precision: each checkpoint is keyed on them, and a run resumes only its own checkpoints. How the work
@@ -209,8 +209,15 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     if accelerator.is_main_process:
         sequences = config.batch_size * config.grad_accum * layout.replicas
         alone = accelerator.num_processes == 1 and accelerator.distributed_type == DistributedType.NO
-        show_plan(finetune_plan(config.steps - progress.step, sequences, config.seq_len),
-                  patched if alone else None, "rope-patch finetune", progress=config.progress)  # timed in one process
+        training = Training(trained=not config.lora, checkpointing=config.gradient_checkpointing,
+                            trained_parameters=sum(getattr(p, "ds_numel", None) or p.numel()
+                                                   for p in model.parameters() if p.requires_grad),
+                            steps=config.steps - progress.step)
+        show_plan(finetune_plan(config.steps - progress.step, sequences, config.seq_len, training=training,
+                                per_process=config.batch_size * config.grad_accum, split=layout.size),
+                  patched if alone else None, "rope-patch finetune", progress=config.progress,  # timed in one process
+                  processes=accelerator.num_processes, estimate_for=config.estimate_for,
+                  shape=model_shape(patched) if config.estimate_for else None)
     stop.armed = True  # from now on a signal finishes the step and saves; the final model is saved in any case
     with preferred_attention(), attention_kernel(config.attention_kernel), sequence_parallel:
         try:

@@ -61,7 +61,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
 def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None) -> PasskeyResult:
     methods = len(method_entries(loaded.model, config.method))
     show_plan(passkey_plan(methods, config.lengths, len(config.depths), config.trials, config.max_new_tokens),
-              loaded.model, "rope-patch passkey", progress=config.progress)
+              loaded.model, "rope-patch passkey", progress=config.progress, estimate_for=config.estimate_for)
     settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
                 "lengths": config.lengths, "depths": config.depths, "trials": config.trials, "seed": config.seed,
                 "max_new_tokens": config.max_new_tokens, "dtype": loaded.dtype,

@@ -11,6 +11,7 @@ with the same cost (``demo_plan.py``).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import weakref
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..costs import ACCURACY, ModelShape, Target, compute_seconds, memory_seconds, parse_target
+from ..errors import ConfigError
 from ..methods import frequency_and_attention, get_method, parse_method_spec
 
 CALIBRATION_TOKENS, CALIBRATION_KEYS = 1024, 8192
@@ -43,9 +46,23 @@ class ForwardCost:
 
 
 @dataclass(frozen=True)
+class Training:
+    """What a training plan's FLOP model needs beyond its forwards: whether every weight is trained (or LoRA's few),
+    gradient checkpointing, the trained weights (AdamW's traffic) and the optimizer steps."""
+
+    trained: bool
+    checkpointing: bool
+    trained_parameters: int
+    steps: int
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """What a job will run: ``what`` (one line), its ``forwards`` (lengths, one entry per forward; a generated token
-    is counted by ``new_tokens``), and the flag that shrinks it most. ``seconds``: the estimate, None when not timed."""
+    is counted by ``new_tokens``), and the flag that shrinks it most. ``groups``: the forwards as the job deals them
+    to processes, each group round-robin (default: all of them as one group); ``spread``: whether the job deals them
+    at all (False: it runs in one process); ``split``: processes that share each forward (sequence or tensor
+    parallelism). ``seconds``: the estimate, None when not timed."""
 
     what: str
     forwards: tuple[int, ...]
@@ -53,26 +70,93 @@ class JobPlan:
     new_tokens: int = 0
     forward_factor: float = 1.0  # 3 for training steps (forward + backward)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    groups: tuple[tuple[int, ...], ...] | None = None
+    spread: bool = True
+    split: int = 1
+    training: Training | None = None
+    fixed_share: tuple[int, ...] | None = None  # what every stream runs whatever the process count (training steps)
 
     @property
     def tokens(self) -> int:
         return sum(self.forwards)
 
-    def seconds(self, cost: ForwardCost | None) -> float | None:
+    def streams(self, processes: int) -> int:
+        """How many processes run forwards of their own: the process count, less those sharing a forward."""
+        if processes % self.split:
+            raise ConfigError(f"{processes} process(es) do not split into groups of {self.split} sharing a sequence "
+                              "(--sequence-parallel): give a multiple of it")
+        return processes // self.split if self.spread else 1
+
+    def share(self, processes: int = 1, rank: int = 0) -> tuple[int, ...]:
+        """The forwards the process ``rank`` of ``processes`` runs: each group dealt round-robin (forward i to process
+        i mod streams), as the jobs deal them; under ``split`` a process holds 1/split of each of its forwards."""
+        streams = self.streams(processes)
+        if self.fixed_share is not None:
+            return self.fixed_share
+        stream = rank // self.split if self.spread else 0
+        if not self.spread and rank >= self.split:
+            return ()
+        return tuple(n for group in (self.groups if self.groups is not None else (self.forwards,))
+                     for n in group[stream::streams])
+
+    def new_tokens_of(self, forwards: tuple[int, ...]) -> int:
+        return round(self.new_tokens * len(forwards) / len(self.forwards)) if self.forwards else 0
+
+    def seconds(self, cost: ForwardCost | None, processes: int = 1) -> float | None:
+        """The busiest process's seconds on a machine of ``cost`` (process 0: round-robin gives it the most)."""
         if cost is None:
             return None
-        return (self.forward_factor * sum(cost.forward(n) for n in self.forwards)
-                + self.new_tokens * cost.per_new_token)
+        mine = self.share(processes) if processes > 1 else self.forwards
+        return (self.forward_factor * sum(cost.forward(n) for n in mine) / self.split
+                + self.new_tokens_of(mine) * cost.per_new_token)
 
-    def lines(self, job: str, cost: ForwardCost | None) -> list[str]:
-        """The plan as printed: what, the estimate (or why none), a warning above an hour."""
-        seconds = self.seconds(cost)
+    def seconds_on(self, target: Target, shape: ModelShape) -> float:
+        """The busiest process's seconds on ``target`` by the FLOP model (``costs.py``) of ``shape``."""
+        mine = self.share(target.count)
+        if self.training is not None:
+            t = self.training
+            flops = sum(shape.training_flops(n, trained=t.trained, checkpointing=t.checkpointing) for n in mine)
+            optimizer = memory_seconds(32.0 * t.trained_parameters * t.steps, target.device)
+            return compute_seconds(flops / self.split, target.device) + optimizer
+        flops = sum(shape.forward_flops(n) for n in mine) / self.split
+        new_tokens = self.new_tokens_of(mine)
+        generated = sum(memory_seconds(shape.weight_bytes() + shape.kv_bytes(n), target.device) for n in mine)
+        return compute_seconds(flops, target.device) + (generated * new_tokens / len(mine) if mine else 0.0)
+
+    def target_lines(self, job: str, target: Target, shape: ModelShape) -> list[str]:
+        """The estimate for ``target``: wall time of the busiest process, device-hours, its share, the error."""
+        seconds, mine = self.seconds_on(target, shape), self.share(target.count)
+        hours = seconds * target.count / 3600
+        share = (f"; per process {len(mine):,} forward(s), {sum(mine) // self.split:,} tokens"
+                 if target.count > 1 else "")
+        lines = [f"{job}: plan: on {target} ({target.device.name}): about {duration(seconds)}, "
+                 f"{hours:,.1f} device-hour(s){share}; {ACCURACY}"]
+        if target.count > 1 and not self.spread:
+            lines.append(f"{job}: plan: this job runs in one process: {target.count - 1} of the {target.count} "
+                         "devices would wait")
+        held = shape.weight_bytes() / (self.split if self.split > 1 else 1)
+        if held > target.device.memory_gb * 1e9:
+            lines.append(f"{job}: plan: the bf16 weights alone ({held / 1e9:,.0f} GB per process) exceed one "
+                         f"{target.key}'s {target.device.memory_gb:,.0f} GB: shard them (--device-map, --tp-plan, "
+                         "FSDP2 or ZeRO-3)")
+        return lines
+
+    def lines(self, job: str, cost: ForwardCost | None, processes: int = 1, target: Target | None = None,
+              shape: ModelShape | None = None) -> list[str]:
+        """The plan as printed: what, each process's share, the estimate (or why none), the estimate for
+        ``target``, a warning above an hour."""
+        seconds = self.seconds(cost, processes)
         head = f"{job}: plan: {self.what}: {len(self.forwards):,} forward(s), {self.tokens:,} tokens"
+        if processes > 1:
+            mine = self.share(processes)
+            head += f"; per process ({processes}): {len(mine):,} forward(s), {sum(mine) // self.split:,} tokens"
         if seconds is None:
             lines = [f"{head}; short, not timed"]
         else:
             lines = [f"{head}; estimated {duration(seconds)} on this machine (its speed measured on this model)"]
         lines += [f"{job}: plan: {note}" for note in self.notes]
+        if target is not None and shape is not None:
+            lines += self.target_lines(job, target, shape)
         if seconds is not None and seconds > WARN_SECONDS:
             lines.append(f"{job}: warning: this run should take {duration(seconds)}, over an hour; {self.shrink} "
                          "shrinks it (Ctrl-C stops it at any time; finished results are kept)")
@@ -101,15 +185,19 @@ def eval_forwards(methods: Sequence[str], lengths: Sequence[int]) -> list[int]:
 
 
 def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[[int, int], int],
-              documents: Sequence[int], *, protocol: str, shared: bool = True) -> JobPlan:
+              documents: Sequence[int], *, protocol: str, shared: bool = True, split: int = 1) -> JobPlan:
     """``eval``'s plan: ``windows(document tokens, length)`` is the protocol's window count; ``documents`` the
-    chosen documents' token counts. Under truncate one forward per document serves every length (``shared``)."""
-    forwards: list[int] = []
-    for tokens in documents:
+    chosen documents' token counts. Under truncate one forward per document serves every length (``shared``). Its
+    groups are what the sweep deals to processes: per method, each forward length's windows over all documents.
+    ``split``: processes sharing each window (``--sequence-parallel``, ``--tp-plan``)."""
+    groups: list[tuple[int, ...]] = []
+    for spec in methods:
         if protocol == "truncate" and shared:
-            forwards += eval_forwards(methods, lengths)
+            per_document = eval_forwards([spec], lengths)
+            groups += [tuple(n for _ in documents) for n in sorted(set(per_document))]
         else:
-            forwards += [n for _ in methods for n in lengths for _ in range(windows(tokens, n))]
+            groups += [tuple(n for tokens in documents for _ in range(windows(tokens, n))) for n in lengths]
+    groups = [g for g in groups if g]
     what = (f"{len(methods)} method(s) x {len(lengths)} length(s) ({', '.join(f'{n:,}' for n in lengths)}) x "
             f"{len(documents)} document(s), {protocol}")
     if protocol == "sliding":
@@ -118,29 +206,34 @@ def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[
         shrink = "--documents 1"
     else:
         shrink = "fewer or shorter --lengths"
-    return JobPlan(what, tuple(forwards), shrink, notes=("finished rows already in the output folder are skipped",))
+    return JobPlan(what, tuple(n for g in groups for n in g), shrink,
+                   notes=("finished rows already in the output folder are skipped",), groups=tuple(groups),
+                   split=split)
 
 
-def passkey_plan(methods: int, lengths: Sequence[int], depths: int, trials: int, max_new_tokens: int) -> JobPlan:
-    """``passkey``'s plan: one prompt forward per method × length × depth × trial, then its generated tokens."""
+def passkey_plan(methods: int, lengths: Sequence[int], depths: int, trials: int, max_new_tokens: int, *,
+                 spread: bool = False) -> JobPlan:
+    """``passkey``'s plan: one prompt forward per method × length × depth × trial, then its generated tokens.
+    ``spread``: the trials are dealt round-robin to processes (else one process runs them all)."""
     per_length = methods * depths * trials
     forwards = tuple(n for n in lengths for _ in range(per_length))
     what = (f"{methods} method(s) x {len(lengths)} length(s) ({', '.join(f'{n:,}' for n in lengths)}) x {depths} "
             f"depth(s) x {trials} trial(s)")
     return JobPlan(what, forwards, "fewer or shorter --lengths, or fewer --trials",
-                   new_tokens=len(forwards) * max_new_tokens)
+                   new_tokens=len(forwards) * max_new_tokens, spread=spread)
 
 
 def search_plan(candidates: int, target: int, heldin: int, methods: int, heldout: int, *,
-                screen: tuple[int, int, int] | None = None) -> JobPlan:
+                screen: tuple[int, int, int] | None = None, spread: bool = False) -> JobPlan:
     """``search``'s plan: each candidate scored on the held-in documents at the target length, then every compared
     method on the held-out ones. ``screen`` (successive halving): ``(length, documents, promoted)``, every candidate
-    scored first on ``documents`` at ``length``, and only ``promoted`` of them at the target; a note per stage."""
+    scored first on ``documents`` at ``length``, and only ``promoted`` of them at the target; a note per stage.
+    ``spread``: candidates dealt round-robin to processes (else one process)."""
     if screen is None:
         forwards = (target,) * (candidates * heldin + methods * heldout)
         what = (f"{candidates} candidate(s) x {heldin} held-in document(s) at {target:,} tokens, then {methods} "
                 f"method(s) x {heldout} held-out document(s)")
-        return JobPlan(what, forwards, "fewer --candidates or --documents")
+        return JobPlan(what, forwards, "fewer --candidates or --documents", spread=spread)
     length, documents, promoted = screen
     forwards = (length,) * (candidates * documents) + (target,) * (promoted * heldin + methods * heldout)
     what = (f"{candidates} candidate(s) screened, {promoted} promoted x {heldin} held-in document(s) at {target:,} "
@@ -149,24 +242,57 @@ def search_plan(candidates: int, target: int, heldin: int, methods: int, heldout
              f"{candidates * documents:,} forward(s)",
              f"stage 2, full: {promoted} candidate(s) x {heldin} document(s) at {target:,} tokens = "
              f"{promoted * heldin:,} forward(s)")
-    return JobPlan(what, forwards, "fewer --candidates or --documents, or a smaller --screen-keep", notes=notes)
+    return JobPlan(what, forwards, "fewer --candidates or --documents, or a smaller --screen-keep", notes=notes,
+                   spread=spread)
 
 
-def finetune_plan(steps: int, sequences_per_step: int, seq_len: int) -> JobPlan:
-    """``finetune``'s plan: every step a forward and a backward over its sequences."""
+def finetune_plan(steps: int, sequences_per_step: int, seq_len: int, *, per_process: int | None = None,
+                  split: int = 1, training: Training | None = None) -> JobPlan:
+    """``finetune``'s plan: every step a forward and a backward over its sequences (the global batch). Each process
+    group of ``split`` (``--sequence-parallel``) takes ``per_process`` sequences of every step (batch size × gradient
+    accumulation), whatever the process count: more processes make a larger global batch, not a shorter step."""
     what = f"{steps} step(s) x {sequences_per_step} sequence(s) of {seq_len:,} tokens"
+    fixed = (seq_len,) * (steps * per_process) if per_process is not None else None
     return JobPlan(what, (seq_len,) * (steps * sequences_per_step), "fewer --steps or a shorter --seq-len",
-                   forward_factor=BACKWARD_FORWARDS)
+                   forward_factor=BACKWARD_FORWARDS, split=split, training=training, fixed_share=fixed)
 
 
-def show_plan(plan: JobPlan, model: nn.Module | None, job: str, *, progress: bool = True) -> float | None:
+def show_plan(plan: JobPlan, model: nn.Module | None, job: str, *, progress: bool = True, main: bool = True,
+              processes: int = 1, estimate_for: str | None = None, shape: ModelShape | None = None) -> float | None:
     """Print ``plan`` to stderr (where the bars and the other notes of a run go), timing the model first unless the
-    run is short; returns the estimate in seconds. Without ``progress`` (``--no-progress``) only a warning shows."""
+    run is short; returns the estimate in seconds. Without ``progress`` (``--no-progress``) only a warning and the
+    ``estimate_for`` lines show; only the ``main`` process prints. ``processes``: the processes the job runs on."""
     cost = measure_forward_cost(model) if model is not None and plan.tokens >= UNTIMED_TOKENS else None
-    for line in plan.lines(job, cost):
-        if progress or ": warning: " in line:
+    target = parse_target(estimate_for) if estimate_for else None
+    if target is not None and shape is None and model is not None:
+        shape = model_shape(model)
+    for line in plan.lines(job, cost, processes, target, shape):
+        if main and (progress or ": warning: " in line or (target is not None and f" on {target} (" in line)):
             print(line, file=sys.stderr, flush=True)
-    return plan.seconds(cost)
+    return plan.seconds(cost, processes)
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    """The FLOP model's view of a loaded model: the weights of its matmuls (every 2-D weight outside the input
+    embeddings, a head tied to them counted once as the head), all its weights, and its attention's shape."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    seen: set[int] = set()
+    matmul = total = 0
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            shape = tuple(getattr(parameter, "ds_shape", None) or parameter.shape)  # ZeRO-3 keeps the full shape
+            numel = math.prod(shape)
+            if id(parameter) in seen and not (isinstance(module, nn.Linear) and len(shape) == 2):
+                continue
+            if id(parameter) not in seen:
+                total += numel
+            seen.add(id(parameter))
+            if len(shape) >= 2 and not isinstance(module, nn.Embedding):
+                matmul += numel
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(parameters=matmul, total_parameters=total, layers=config.num_hidden_layers, heads=heads,
+                      head_dim=head_dim, kv_heads=getattr(config, "num_key_value_heads", None) or heads)
 
 
 # ----------------------------------------------------------------------------------------------- measuring

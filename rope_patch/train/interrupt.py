@@ -3,6 +3,8 @@
 The first SIGINT or SIGTERM asks the loop to stop at the end of the current optimizer step, where a checkpoint is
 complete and cheap to make (a step cannot be saved half-done); a second one stops at once, keeping the last
 checkpoint. Every process of an ``accelerate launch`` run agrees on the step to stop at, since the save is collective.
+This is the training policy of ``stopping.py``'s one mechanism (evaluations stop at the next layer): the same signals,
+the same flag (``CONTROL.requested``), and only the main process speaks.
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..stopping import CONTROL
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from ..stopping import CONTROL, STOP_SIGNALS, is_main_process
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -24,9 +24,9 @@ class TrainingInterrupted(KeyboardInterrupt):
     checkpoint folder given before, or None where nothing was saved: the same command starts it again)."""
 
     def __init__(self, step: int | None, total: int, checkpoint: Path | None, resume: str | None,
-                 main_process: bool = True):
+                 main_process: bool | None = None):
         self.step, self.total, self.checkpoint, self.resume = step, total, checkpoint, resume
-        self.main_process = main_process
+        self.main_process = is_main_process() if main_process is None else main_process
         super().__init__(self.describe())
 
     def describe(self) -> str:
@@ -65,8 +65,10 @@ class StopRequest:
         if self.signal is not None or not self.armed:
             raise KeyboardInterrupt
         self.signal = number
-        print(f"\nrope-patch finetune: {signal.Signals(number).name}: finishing this step and saving a checkpoint "
-              "(send it again to stop at once, keeping the last checkpoint)", file=sys.stderr, flush=True)
+        CONTROL.requested.set()
+        if is_main_process():
+            print(f"\nrope-patch finetune: {signal.Signals(number).name}: finishing this step and saving a checkpoint "
+                  "(send it again to stop at once, keeping the last checkpoint)", file=sys.stderr, flush=True)
 
     def agreed(self, accelerator) -> bool:
         """Whether any process was asked to stop (every process gets the same answer, so they save together)."""

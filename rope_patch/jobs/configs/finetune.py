@@ -8,8 +8,8 @@ from typing import ClassVar
 from ...choices import ATTENTION_KERNELS, KERNELS
 from ...errors import ConfigError
 from ..options import JobConfig, option
-from .sweep import (ATTENTION_KERNEL_HELP, KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, model_option,
-                    progress_option, report_to_option)
+from .sweep import (ATTENTION_KERNEL_HELP, KERNELS_HELP, LAYER_TYPES_HELP, NATIVE_LENGTH_HELP, check_estimate_for,
+                    estimate_for_option, model_option, progress_option, report_to_option)
 
 
 @dataclass
@@ -104,6 +104,7 @@ class FinetuneConfig(JobConfig):
                                             "comma-separated: trackio, wandb, mlflow, tensorboard, or none (their "
                                             "files under --output; pip install 'rope-patch[trackers]')")
     progress: bool = progress_option()
+    estimate_for: str | None = estimate_for_option()
 
     def validate(self) -> None:
         from ...kernels import check_kernels_available
@@ -163,3 +164,4 @@ class FinetuneConfig(JobConfig):
         from ...tracking import check_trackers
 
         check_trackers(self.report_to)  # a tracker not installed: one line before the model loads
+        check_estimate_for(self.estimate_for, self.sequence_parallel)

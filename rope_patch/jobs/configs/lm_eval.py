@@ -61,6 +61,9 @@ class LmEvalConfig(SweepConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.estimate_for is not None:
+            raise ConfigError("--estimate-for: lm-eval builds its requests only once it runs, so lm-eval has no plan "
+                              "to estimate; estimate a passkey or eval of the same --lengths instead")
         if self.batch_size < 1 or any(n < 1 for n in self.lengths):
             raise ConfigError("--batch-size and --lengths must be positive whole numbers")
         if self.limit is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ...choices import AS_LOADED, ATTENTION_KERNELS, KERNELS, REPORT_TO
+from ...costs import DEVICES, parse_target
 from ...errors import ConfigError
 from ..options import JobConfig, option
 
@@ -55,6 +56,27 @@ def report_to_option(help: str = REPORT_TO_HELP) -> Any:
     return option(["none"], help, choices=REPORT_TO, metavar="TRACKERS")
 
 
+ESTIMATE_FOR_HELP = ("also estimate the run's time on DEVICE[xN] (N devices, one process each), e.g. h100x8, h200, "
+                     "a100x4: from a FLOP model of the model's shape calibrated on measured GPU runs; the devices: "
+                     + ", ".join(DEVICES) + " (docs/gpus.md)")
+
+
+def estimate_for_option() -> Any:
+    """``--estimate-for DEVICE[xN]``: the same option on every expensive job (one set of device names)."""
+    return option(None, ESTIMATE_FOR_HELP, metavar="DEVICE[xN]")
+
+
+def check_estimate_for(text: str | None, sequence_parallel: int = 1) -> None:
+    """``--estimate-for`` refused in one line now, before anything loads: an unknown device, or a device count that
+    the sequence-parallel groups do not divide."""
+    if text is None:
+        return
+    target = parse_target(text)
+    if target.count % sequence_parallel:
+        raise ConfigError(f"--estimate-for {target}: {target.count} process(es) do not split into --sequence-parallel "
+                          f"groups of {sequence_parallel}; give a multiple of {sequence_parallel} devices")
+
+
 def progress_option() -> Any:
     """``--progress`` / ``--no-progress``, the same switch on every job."""
     return option(True, PROGRESS_HELP)
@@ -85,6 +107,7 @@ class SweepConfig(JobConfig):
     sequence_parallel: int = option(1, "split each window over N processes (DeepSpeed Ulysses, eval only; N divides "
                                        "the processes of accelerate launch)", metavar="N")
     progress: bool = progress_option()
+    estimate_for: str | None = estimate_for_option()
 
     def validate(self) -> None:
         # the package's heavy modules (torch), imported when a job is about to run, not for --help
@@ -102,6 +125,7 @@ class SweepConfig(JobConfig):
         check_offload(parse_device_map(self.device_map), self.offload_folder)
         if self.sequence_parallel < 1:
             raise ConfigError(f"--sequence-parallel {self.sequence_parallel}: give a positive number of processes")
+        check_estimate_for(self.estimate_for, self.sequence_parallel)
         if self.sequence_parallel > 1 and self.sequence_parallel_refusal:
             raise ConfigError(f"{self.command} --sequence-parallel: {self.sequence_parallel_refusal}; split windows "
                               "with rope-patch eval --sequence-parallel, or place the model with --device-map")
