@@ -256,12 +256,13 @@ def test_tensor_and_data_parallel_sizes_reach_lm_evals_vllm_model_and_the_probe(
     engine = VllmEngine(model, make_char_tokenizer(), "the/folder", vllm_serving, tensor_parallel_size=2,
                         data_parallel_size=4)
     entry = MethodEntry("yarn:factor=2", "yarn", {"factor": 2.0})
-    with patched(model, "yarn", factor=2.0), engine.serving(entry, [128]) as lm_for:
-        lm_for(128, 3)
+    with patched(model, "yarn", factor=2.0), engine.serving(entry, [96]) as lm_for:
+        lm_for(96, 3)
+        overrides, _ = vllm_serving(model, 96)
     (kwargs,) = made
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["data_parallel_size"] == 4
-    assert kwargs["pretrained"] == "the/folder" and kwargs["max_model_len"] == 128 and kwargs["batch_size"] == 3
-    assert kwargs["hf_overrides"]["max_position_embeddings"] == 128
+    assert kwargs["pretrained"] == "the/folder" and kwargs["max_model_len"] == 96 and kwargs["batch_size"] == 3
+    assert kwargs["hf_overrides"] == overrides
     ((folder, probe),) = started  # data-parallel replicas: the probe starts one engine of its own
     assert folder == "the/folder" and probe["tensor_parallel_size"] == 2 and "data_parallel_size" not in probe
     assert engine.agreement is not None and engine.agreement.worst == 0.0

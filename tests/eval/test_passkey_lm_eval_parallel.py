@@ -30,7 +30,7 @@ from rope_patch.eval.passkey import KEY_FIELDS
 from rope_patch.jobs import run_lm_eval, run_passkey
 
 TIMEOUT = 600  # a launch on this shared 2-core machine: ~20 s alone, minutes under load
-PASSKEY = dict(method=["none", "yarn:factor=2", "dynamic_ntk:factor=4"], lengths=[230, 260], depths=[0.0, 1.0],
+PASSKEY = dict(method=["none", "yarn:factor=2", "dynamic_ntk:factor=4"], lengths=[250, 270], depths=[0.0, 1.0],
                trials=2, max_new_tokens=3, dtype="fp32", progress=False)  # 24 trials, 6 per process of 4
 LAUNCHERS = [pytest.param("accelerate", 2, id="2-processes"), pytest.param("accelerate", 4, id="4-processes"),
              pytest.param("torchrun", 2, id="2-nodes")]
@@ -202,7 +202,7 @@ def wait_for_rows(launcher: subprocess.Popen, results: Path, rows: int) -> None:
         time.sleep(0.05)
 
 
-LONG = dict(PASSKEY, lengths=[230, 260, 300], depths=[0.0, 0.5, 1.0], trials=3, max_new_tokens=24)  # 81 trials
+LONG = dict(PASSKEY, lengths=[250, 270, 300], depths=[0.0, 0.5, 1.0], trials=3, max_new_tokens=24)  # 81 trials
 
 
 def test_a_rank_killed_mid_run_resumes_with_nothing_rescored_or_duplicated(workspace, tmp_path, monkeypatch):
