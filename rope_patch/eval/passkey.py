@@ -172,7 +172,11 @@ def deal_trials(units: Sequence[Mapping[str, Any]], trial: Callable[[Mapping[str
             CONTROL.check("between trials")  # a stop seen here ends the round on every process
         except JobInterrupted:
             stopped = True
-        gathered = gather_object([(rank, result, stopped)])  # [(rank, result or None, stopped)] × P
+        try:
+            gathered = gather_object([(rank, result, stopped)])  # [(rank, result or None, stopped)] × P
+        except Exception:  # a process gone (stopped at once, killed): after a stop asked here too, a stop
+            CONTROL.check("while the processes gathered")
+            raise
         for index, done, _ in sorted(gathered, key=lambda item: item[0]):
             if done is not None:
                 yield batch[index], done

@@ -208,24 +208,19 @@ LONG = dict(PASSKEY, lengths=[250, 270, 300], depths=[0.0, 0.5, 1.0], trials=3, 
 def test_a_rank_killed_mid_run_resumes_with_nothing_rescored_or_duplicated(workspace, tmp_path, monkeypatch):
     """SIGKILL to the second of 2 processes once 4 trials are stored: the launcher ends the run; the rerun (here, one
     process) answers exactly the trials not stored, and the store then holds each trial once, as one process's."""
-    import psutil
-
     out = tmp_path / "run"
     settings = dict(model=str(workspace / "tiny"), output=str(out), **LONG)
     launcher = passkey_launcher(settings, 2)
     try:
         wait_for_rows(launcher, out / "results.jsonl", 4)
-        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                 if "rope_patch" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
-        assert len(ranks) == 1
-        ranks[0].kill()  # SIGKILL
+        rank(launcher, 1).kill()  # SIGKILL
         launcher.communicate(timeout=TIMEOUT)
     finally:
         os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
     assert launcher.returncode != 0
     before = (out / "results.jsonl").read_bytes()
     kept = [json.loads(line) for line in before.splitlines()]
-    total = 3 * 3 * 3 * 3 * 3
+    total = 3 * 3 * 3 * 3  # methods × lengths × depths × trials
     assert 4 <= len(kept) < total, "the kill came too late to test a resume"
 
     calls = []
@@ -242,26 +237,37 @@ def test_a_rank_killed_mid_run_resumes_with_nothing_rescored_or_duplicated(works
         sorted(map(json.dumps, map(without_time, single.records)))
 
 
-def test_ctrl_c_stops_every_rank_and_keeps_the_store_whole(workspace, tmp_path):
-    """SIGINT to the launch's process group (a terminal's Ctrl-C) once trials are stored: every process stops
-    (status 130, "interrupted" on each), no row is cut or doubled, and the same command resumes to the full grid."""
+def test_ctrl_c_on_one_process_stops_every_process_with_the_store_whole(workspace, tmp_path):
+    """SIGINT to the second of 2 processes only, once trials are stored: it stops at its next layer or at the end
+    of its trial, and the round's gather tells the first, which stops too (status 130 and "interrupted" on each, no
+    process left waiting); no row is cut or doubled, and the same options resume to the full grid."""
     out = tmp_path / "run"
     settings = dict(model=str(workspace / "tiny"), output=str(out), **LONG)
     launcher = passkey_launcher(settings, 2)
     try:
         wait_for_rows(launcher, out / "results.jsonl", 2)
-        os.killpg(launcher.pid, signal.SIGINT)
-        _, err = launcher.communicate(timeout=60)
+        rank(launcher, 1).send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=TIMEOUT)
     finally:
         os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
     assert launcher.returncode != 0
-    assert err.count("rope-patch passkey: interrupted") == 2, err[-3000:]  # each rank stopped at a safe point
-    assert "Traceback" not in err.split("rope-patch passkey: interrupted")[0], err[-3000:]
+    assert err.count("rope-patch passkey: interrupted") == 2, err[-3000:]  # each process stopped at a safe point
+    assert "Traceback" not in err, err[-3000:]
     rows = stored(out)  # every line whole
     keys = {json.dumps([r[k] for k in KEY_FIELDS], sort_keys=True) for r in rows}
     assert len(keys) == len(rows) < 81
     resumed = run_passkey(**settings)
     assert len(resumed.records) == 81 == len(stored(out))
+
+
+def rank(launcher: subprocess.Popen, index: int):
+    """The process of rank ``index`` under ``launcher`` (psutil)."""
+    import psutil
+
+    found = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+             if "rope_patch" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(index)]
+    assert len(found) == 1
+    return found[0]
 
 
 # ----------------------------------------------------------------------------------------------- lm-eval
