@@ -233,8 +233,8 @@ def test_a_rank_killed_mid_run_resumes_with_nothing_rescored_or_duplicated(works
     keys = [json.dumps([r[k] for k in KEY_FIELDS], sort_keys=True) for r in stored(out)]
     assert len(keys) == len(set(keys)) == total  # each trial once
     single = run_passkey(model=str(workspace / "tiny"), output=None, **LONG)
-    assert sorted(map(json.dumps, map(without_time, resumed.records))) == \
-        sorted(map(json.dumps, map(without_time, single.records)))
+    as_text = lambda records: sorted(json.dumps(without_time(r), sort_keys=True) for r in records)  # noqa: E731
+    assert as_text(resumed.records) == as_text(single.records)
 
 
 def test_ctrl_c_on_one_process_stops_every_process_with_the_store_whole(workspace, tmp_path):
@@ -252,7 +252,8 @@ def test_ctrl_c_on_one_process_stops_every_process_with_the_store_whole(workspac
         os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
     assert launcher.returncode != 0
     assert err.count("rope-patch passkey: interrupted") == 2, err[-3000:]  # each process stopped at a safe point
-    assert "Traceback" not in err, err[-3000:]
+    processes = err.split("torch/distributed/elastic")[0]  # the launcher's own report of the status 130 follows
+    assert "Traceback" not in processes and "exitcode: 130" in err, err[-3000:]
     rows = stored(out)  # every line whole
     keys = {json.dumps([r[k] for k in KEY_FIELDS], sort_keys=True) for r in rows}
     assert len(keys) == len(rows) < 81
