@@ -12,6 +12,11 @@ lengths is split here into one lm-eval run per length, with ``max_length`` = tha
 ``limit`` counts samples per length (in a single run lm-eval's ``limit`` takes the first samples, which are all of the
 first length), no prompt is cut to the model's configured length, and a finished length is never run again.
 
+Processes. Under ``accelerate launch`` (or torchrun) every process holds the model and patches each method in; lm-eval
+deals each run's documents to the processes (``HfEngine``) and gathers their metrics on the main process, which
+writes the store and lm-eval's results file and hands the record to the others, so every process goes on to the
+same next run. The scores are those of one process, but for the order the gathered metrics are summed in.
+
 Generation. lm-eval calls ``generate`` on the model instance (``HFLM._model_generate``); a patched model's ``generate``
 keeps one length for the whole call (``rope_patch.patching.fixed_length``), so under a dynamic method the KV cache
 agrees with a full recompute. Log-likelihood requests are plain forwards, where a dynamic method follows the padded
@@ -34,11 +39,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, DataError, MissingExtraError
 from ..hub import lm_eval_quietly
 from ..patching import native_length, patch_state, primary_rotary
+from ..stopping import CONTROL
 from .plots import file_stem
 from .harness_engines import HfEngine, VllmEngine
 from .store import ResultStore
@@ -187,7 +194,8 @@ def plain_json(value: Any) -> Any:
 def run_unit(lm: Any, entry: MethodEntry, unit: HarnessUnit, catalog: TaskCatalog, *,
              metadata: Mapping[str, Any], batch_size: int, limit: float | None,
              num_fewshot: int | None, output: str | Path | None, model_name: str) -> tuple[dict, Path | None]:
-    """One ``simple_evaluate`` of an lm-eval model object serving the method; lm-eval's results and its results file."""
+    """One ``simple_evaluate`` of an lm-eval model object serving the method; lm-eval's results and its results file
+    (``(None, None)`` on the processes but the main one of a multi-process run: lm-eval gathers its results there)."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
@@ -254,6 +262,7 @@ def evaluate_harness(
     progress: bool = True,
     engine: HfEngine | VllmEngine | None = None,
     on_row: Callable[[dict], None] | None = None,
+    accelerator: Any = None,
 ) -> list[dict]:
     """Run lm-eval ``tasks`` on ``model`` under each method and return one record per (method, task, length).
 
@@ -265,10 +274,14 @@ def evaluate_harness(
     (RULER: ``{"max_seq_lengths": [4096, 8192]}``, split into one run per length); RULER's tokenizer is the model's
     own, saved for it, unless ``metadata`` names one. ``engine`` scores each method (default: the patched model through
     lm-eval's HFLM, ``harness_engines``); its name is part of the key. ``on_row(record)`` is called the moment a run
-    finishes in this call (a run found finished in ``store`` is not sent).
+    finishes in this call (a run found finished in ``store`` is not sent). With an ``accelerator`` of several
+    processes (``engine`` must then be built with it) lm-eval deals the documents of every run to them; the main
+    process writes, and every process returns every record.
     """
     require_lm_eval()
-    engine = engine or HfEngine(model, tokenizer)
+    engine = engine or HfEngine(model, tokenizer, accelerator)
+    processes = 1 if accelerator is None else accelerator.num_processes
+    main = accelerator is None or accelerator.is_main_process
     catalog = catalog or TaskCatalog(tasks, include_path)
     metadata = dict(metadata or {})
     units = plan_units(tasks, metadata)
@@ -280,7 +293,7 @@ def evaluate_harness(
                  "include_path": include_path,
                  "metadata": {k: v for k, v in metadata.items() if not (split and k == "max_seq_lengths")}}
     sweep = Sweep(model, methods, UNIT_FIELDS, store=store, setup={**dict(setup or {}), **run_setup},
-                  job="rope-patch lm-eval", on_finish=on_row)
+                  writer=main, job="rope-patch lm-eval", on_finish=on_row)
     keyed = [{"task": u.task, "length": u.length} for u in units]
     todo = sweep.missing(keyed)
     if not todo:
@@ -288,10 +301,10 @@ def evaluate_harness(
 
     with tempfile.TemporaryDirectory(prefix="rope_patch_tokenizer_") as scratch:
         if "tokenizer" not in metadata:  # RULER sizes its prompts with a tokenizer it loads by name: the model's own
-            folder = Path(output) / "tokenizer" if output is not None else Path(scratch)
+            folder = Path(output) / "tokenizer" if output is not None and main else Path(scratch)
             tokenizer.save_pretrained(folder)
             metadata["tokenizer"] = str(folder)
-        bar = tqdm(total=sum(len(us) for _, us in todo), desc="lm-eval", unit="run", disable=not progress)
+        bar = tqdm(total=sum(len(us) for _, us in todo), desc="lm-eval", unit="run", disable=not progress or not main)
 
         def work(entry: MethodEntry, missing: list[Mapping[str, Any]]) -> None:
             windows = [HarnessUnit(k["task"], k["length"]).max_length(max_length) for k in missing]
@@ -300,15 +313,25 @@ def evaluate_harness(
                     unit = HarnessUnit(key["task"], key["length"])
                     bar.set_postfix_str(f"{entry.label} {unit.task}" + (f" @ {unit.length}" if unit.length else ""))
                     start = time.perf_counter()
-                    run, path = run_unit(lm_for(window, batch_size), entry, unit, catalog, metadata=metadata,
-                                         batch_size=batch_size, limit=limit, num_fewshot=num_fewshot, output=output,
-                                         model_name=model_name)
-                    check = {"engine_check": engine.agreement.as_dict()} if engine.agreement is not None else {}
-                    sweep.finish(entry.label, key, {
-                        "results": plain_json(run["results"]), "groups": plain_json(run.get("groups", {})),
-                        "n-samples": plain_json(run.get("n-samples", {})), "max_length": window, **check,
-                        "file": str(path) if path is not None else None,
-                        "seconds": round(time.perf_counter() - start, 3)})
+                    try:
+                        run, path = run_unit(lm_for(window, batch_size), entry, unit, catalog, metadata=metadata,
+                                             batch_size=batch_size, limit=limit, num_fewshot=num_fewshot,
+                                             output=output if main else None, model_name=model_name)
+                    except Exception:
+                        if processes > 1:  # another process's stop broke lm-eval's gather: a stop, not a fault
+                            CONTROL.check("during lm-eval's gather")
+                        raise
+                    result = None
+                    if run is not None:  # lm-eval's results on the main process only
+                        check = {"engine_check": engine.agreement.as_dict()} if engine.agreement is not None else {}
+                        result = {
+                            "results": plain_json(run["results"]), "groups": plain_json(run.get("groups", {})),
+                            "n-samples": plain_json(run.get("n-samples", {})), "max_length": window, **check,
+                            "file": str(path) if path is not None else None,
+                            "seconds": round(time.perf_counter() - start, 3)}
+                    if processes > 1:
+                        result = broadcast_object_list([result])[0]  # every process records it, the main one writes
+                    sweep.finish(entry.label, key, result)
                     bar.update(1)
 
         records = sweep.run(keyed, work)

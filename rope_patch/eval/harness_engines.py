@@ -53,13 +53,16 @@ class _DropWarning(logging.Filter):
 
 
 class HfEngine:
-    """The patched model object itself, scored by lm-eval's HFLM."""
+    """The patched model object itself, scored by lm-eval's HFLM. Under ``accelerate launch`` (an ``accelerator`` of
+    several processes) each process holds the model patched alike, and HFLM is told its rank and the process count:
+    lm-eval then deals each task's documents to the processes and gathers their metrics on the main one, as for a
+    model it loads itself (HFLM assumes one process for a model handed over)."""
 
     name = "hf"
     settings: dict[str, Any] = {}
 
-    def __init__(self, model: nn.Module, tokenizer: Any):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model: nn.Module, tokenizer: Any, accelerator: Any = None):
+        self.model, self.tokenizer, self.accelerator = model, tokenizer, accelerator
         self.agreement: LogprobAgreement | None = None
 
     @contextlib.contextmanager
@@ -71,11 +74,21 @@ class HfEngine:
             quiet = _DropWarning()
             hf_logger.addFilter(quiet)
             try:
-                return HFLM(pretrained=self.model, tokenizer=self.tokenizer, max_length=window, batch_size=batch_size)
+                lm = HFLM(pretrained=self.model, tokenizer=self.tokenizer, max_length=window, batch_size=batch_size)
             finally:
                 hf_logger.removeFilter(quiet)
+            return spread_over_processes(lm, self.accelerator)
 
         yield lm_for
+
+
+def spread_over_processes(lm: Any, accelerator: Any) -> Any:
+    """HFLM on a model handed over, made one of ``accelerator``'s processes: the attributes HFLM sets for a model it
+    loads under ``accelerate launch`` (its rank, the process count, the accelerator its gathers go through). The rank
+    is the global one (HFLM's own takes the node's local index, which repeats across machines)."""
+    if accelerator is not None and accelerator.num_processes > 1:
+        lm._rank, lm._world_size, lm.accelerator = accelerator.process_index, accelerator.num_processes, accelerator
+    return lm
 
 
 def probe_ids(tokenizer: Any, length: int) -> list[int]:

@@ -9,6 +9,11 @@ greedy whatever the model's generation config says, and the answer is the first 
 
 Each finished trial is appended at once to a ``ResultStore``, so an interrupted
 run resumes where it stopped. Reports (tables, CSV, JSON, plots) live in ``rope_patch.eval.passkey_report``.
+
+Under ``accelerate launch`` (or torchrun) the trials are dealt to the processes in rounds, one trial per process per
+round, and each round's answers are gathered and recorded in trial order on every process, the main one writing the
+store. A trial is one prompt generated alone (no batch, no padding), so its answer is the same whichever process
+generates it, and N processes give the records of one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
@@ -29,6 +35,7 @@ from ..data import resolve_bos
 from ..errors import ConfigError, DataError
 from ..hub import generation_reminder_silenced
 from ..patching import forget_lengths_seen, input_device
+from ..stopping import CONTROL, JobInterrupted
 from .store import ResultStore
 from .sweep import MethodEntry, MethodSpec, Sweep
 
@@ -143,6 +150,40 @@ def greedy_generation(model) -> Iterator[None]:
         model.generation_config = own
 
 
+def deal_trials(units: Sequence[Mapping[str, Any]], trial: Callable[[Mapping[str, Any]], dict],
+                accelerator=None) -> Iterator[tuple[Mapping[str, Any], dict]]:
+    """``(unit, trial(unit))`` for every unit, in order. With an ``accelerator`` of P processes the units go in
+    rounds of P, unit ``i`` of a round to process ``i``; each round's results are gathered on every process before
+    the next round starts, so the caller records them in unit order wherever it runs. A stop (Ctrl-C, SIGTERM) seen
+    by any process ends the round on every one: its finished trials are yielded, then ``JobInterrupted`` is raised
+    on all processes together, none left waiting in a gather."""
+    world = 1 if accelerator is None else accelerator.num_processes
+    if world == 1:
+        for unit in units:
+            yield unit, trial(unit)
+        return
+    rank = accelerator.process_index
+    for start in range(0, len(units), world):
+        batch = units[start : start + world]
+        result, stopped = None, False
+        try:
+            if rank < len(batch):
+                result = trial(batch[rank])
+            CONTROL.check("between trials")  # a stop seen here ends the round on every process
+        except JobInterrupted:
+            stopped = True
+        try:
+            gathered = gather_object([(rank, result, stopped)])  # [(rank, result or None, stopped)] × P
+        except Exception:  # a process gone (stopped at once, killed): after a stop asked here too, a stop
+            CONTROL.check("while the processes gathered")
+            raise
+        for index, done, _ in sorted(gathered, key=lambda item: item[0]):
+            if done is not None:
+                yield batch[index], done
+        if any(stop for _, _, stop in gathered):
+            raise JobInterrupted("between trials")
+
+
 @torch.no_grad()
 def answer(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 8) -> str:
     """Greedy continuation of one prompt, decoded without special tokens."""
@@ -169,6 +210,7 @@ def evaluate_passkey(
     setup: Mapping[str, Any] | None = None,
     progress: bool = True,
     on_row: Callable[[dict], None] | None = None,
+    accelerator=None,
 ) -> list[dict]:
     """Run the passkey grid (methods × lengths × depths × trials) and return one record per trial.
 
@@ -178,7 +220,8 @@ def evaluate_passkey(
     implementation: ``Sweep``) are skipped; new ones are appended the moment they finish. A record holds
     the key, the decoded output, the parsed answer and ``correct``. ``on_row({"method", "length", "correct",
     "trials", "accuracy"})`` is called the moment a (method, length) cell gets its last trial (all depths) in this
-    call (a cell found finished in ``store`` is not sent).
+    call (a cell found finished in ``store`` is not sent), on the main process. With an ``accelerator`` of several
+    processes the trials are dealt round-robin (``deal_trials``) and every process returns every record.
     """
     check_grid(lengths, depths, trials, max_new_tokens)
 
@@ -189,9 +232,10 @@ def evaluate_passkey(
             on_row({"method": record["method"], "length": int(record["length"]), "correct": correct,
                     "trials": len(cell), "accuracy": correct / len(cell)})
 
+    main = accelerator is None or accelerator.is_main_process
     sweep = Sweep(model, methods, UNIT_FIELDS, store=store,
                   setup={**dict(setup or {}), "max_new_tokens": int(max_new_tokens)}, job="rope-patch passkey",
-                  on_finish=cell_finished if on_row is not None else None)
+                  writer=main, on_finish=cell_finished if on_row is not None else None)
     builder = PromptBuilder(tokenizer)
     units = [{"length": int(n), "depth": float(d), "trial": t, "seed": int(seed)}
              for n in lengths for d in depths for t in range(trials)]
@@ -199,18 +243,20 @@ def evaluate_passkey(
         builder.check(u["length"], passkey_key(seed, u["length"], u["depth"], u["trial"]))
 
     todo = sum(len(us) for _, us in sweep.missing(units))
-    bar = tqdm(total=todo, desc="passkey", unit="trial", disable=not progress or not todo)
+    bar = tqdm(total=todo, desc="passkey", unit="trial", disable=not progress or not todo or not main)
+
+    def trial(unit: Mapping[str, Any]) -> dict:
+        key = passkey_key(seed, unit["length"], unit["depth"], unit["trial"])
+        prompt = builder.build(unit["length"], unit["depth"], key)
+        start = time.perf_counter()
+        text = answer(model, tokenizer, prompt, max_new_tokens)
+        parsed = parse_answer(text)
+        return {"key": key, "output": text, "answer": parsed, "correct": parsed == key,
+                "needle_start": prompt.needle_start, "seconds": round(time.perf_counter() - start, 3)}
 
     def work(entry: MethodEntry, missing: list[Mapping[str, Any]]) -> None:
-        for unit in missing:
-            key = passkey_key(seed, unit["length"], unit["depth"], unit["trial"])
-            prompt = builder.build(unit["length"], unit["depth"], key)
-            start = time.perf_counter()
-            text = answer(model, tokenizer, prompt, max_new_tokens)
-            parsed = parse_answer(text)
-            record = sweep.finish(entry.label, unit, {
-                "key": key, "output": text, "answer": parsed, "correct": parsed == key,
-                "needle_start": prompt.needle_start, "seconds": round(time.perf_counter() - start, 3)})
+        for unit, result in deal_trials(missing, trial, accelerator):
+            record = sweep.finish(entry.label, unit, result)
             bar.update(1)
             bar.set_postfix_str(f"{entry.label} {unit['length']} tokens: {'ok' if record['correct'] else 'miss'}")
 

@@ -3,11 +3,14 @@ with each method in turn, in one resumable run."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+from accelerate import Accelerator
 
 from ..errors import ConfigError
 from ..eval.harness import KEY_FIELDS, TaskCatalog, evaluate_harness, sweep_lengths, sweep_window
@@ -33,6 +36,7 @@ class LmEvalResult:
     records: list[dict]
     files: dict[str, Path]
     settings: dict[str, Any]
+    main_process: bool = True  # under accelerate launch, only the main process reports
 
     @property
     def results_files(self) -> list[str]:
@@ -59,7 +63,10 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
 
     ``run_lm_eval(method=["none", "yarn:factor=2"], tasks=["niah_single_1"], metadata={"max_seq_lengths": [4096,
     8192]}, limit=5)``. Unknown tasks and a missing lm-eval fail before the model is loaded. Finished (method, task,
-    length) runs in ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes.
+    length) runs in ``OUTPUT/results.jsonl`` are skipped, so an interrupted run resumes. Under ``accelerate launch``
+    (or torchrun) each process holds the model, lm-eval deals the documents to them, and the main process writes
+    the results and reports (``--backend hf``; vLLM spreads itself: ``--tensor-parallel-size``,
+    ``--data-parallel-size``).
     """
     options, loaded = split_loaded(options)
     config = LmEvalConfig.from_options(config, **options)
@@ -67,26 +74,39 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     if not config.tasks:  # the one option without a default: checked here so the bare config stays constructible
         raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks niah_single_1,ruler_vt")
     catalog = TaskCatalog(config.tasks, config.include_path)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes use gloo
+    processes = accelerator.num_processes
+    if config.backend == "vllm" and processes > 1:
+        raise ConfigError(f"lm-eval --backend vllm spreads over GPUs itself, not over {processes} launched "
+                          "processes: run rope-patch lm-eval without accelerate launch or torchrun, with "
+                          "--tensor-parallel-size and --data-parallel-size")
+    if config.device_map is not None and processes > 1:
+        raise ConfigError(f"--device-map places one model over this machine's devices in one process, not "
+                          f"{processes}: run rope-patch lm-eval without accelerate launch")
     if config.backend == "vllm":
         require_vllm()  # one line before minutes of loading
-    loaded = config.load(loaded)
+    loaded = config.load(loaded, device=accelerator.device)
     settle_native_length(loaded.model, config.native_length, config.layer_types)
     window = None  # each length of --lengths (or of metadata's max_seq_lengths) is its own run, at that window
     if not sweep_lengths(config.sweep_metadata() or {}):  # one window for every method, or a refusal
         window = sweep_window(loaded.model, method_entries(loaded.model, config.method))
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
-    with open_store(results, KEY_FIELDS, job="rope-patch lm-eval") as store:  # held until the reports are written
-        return _run(config, loaded, catalog, window, store)
+    with contextlib.ExitStack() as stack:  # the store held until the reports are written
+        with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
+            store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process,
+                                                   job="rope-patch lm-eval"))
+        return _run(config, loaded, catalog, window, store, accelerator)
 
 
 def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window: int | None,
-         store: ResultStore | None) -> LmEvalResult:
-    engine = HfEngine(loaded.model, loaded.tokenizer)
+         store: ResultStore | None, accelerator: Accelerator) -> LmEvalResult:
+    main = accelerator.is_main_process
+    engine = HfEngine(loaded.model, loaded.tokenizer, accelerator)
     if config.backend == "vllm":
         engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,
                             dtype=loaded.dtype, tensor_parallel_size=config.tensor_parallel_size,
                             data_parallel_size=config.data_parallel_size, tolerance=config.backend_tolerance)
-    if config.progress:  # how many requests a task makes is known inside the harness only: no estimate here
+    if config.progress and main:  # how many requests a task makes is known inside the harness only: no estimate here
         methods = len(method_entries(loaded.model, config.method))
         print(f"rope-patch lm-eval: plan: {methods} method(s) x {len(config.tasks)} task(s) "
               f"({', '.join(config.tasks)}), window {window if window else 'per max_seq_lengths'}; not timed (the "
@@ -97,7 +117,8 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
                 "limit": config.limit, "num_fewshot": config.num_fewshot, "metadata": config.sweep_metadata(),
                 "native_length": native_length(loaded.model), "output": config.output,
                 "attention_kernel": attention_kernel_ran(loaded.model, config.attention_kernel)}
-    with Trackers(config.report_to, project="rope-patch-lm-eval", folder=config.output, config=settings) as trackers:
+    with Trackers(config.report_to if main else None, project="rope-patch-lm-eval", folder=config.output,
+                  config=settings) as trackers:
 
         def log_row(record: dict) -> None:  # a (method, task, length) run, the moment it finishes
             steps = tracker_steps(summarize([record]))  # {length: {lm_eval/<task>/<metric>/<method>: score}}
@@ -110,11 +131,11 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
                 max_length=window, batch_size=config.batch_size, limit=config.limit,
                 num_fewshot=config.num_fewshot, metadata=config.sweep_metadata(), output=config.output, store=store,
                 setup=config.setup(loaded), model_name=loaded.label, catalog=catalog, progress=config.progress,
-                engine=engine, on_row=log_row,
+                engine=engine, on_row=log_row, accelerator=accelerator,
             )
         rows = add_difference_to_reference(summarize(records), native_length(loaded.model))
         files = {}
-        if config.output is not None:
+        if config.output is not None and main:
             files = write_reports(rows, config.output, settings=settings, native_length=settings["native_length"])
         trackers.log_table(tracker_steps(rows))
-    return LmEvalResult(rows, records, files, settings)
+    return LmEvalResult(rows, records, files, settings, main)

@@ -229,3 +229,76 @@ def test_passkey_through_vllm_is_refused_in_one_line(tiny_folder, capsys):
     code = main(["passkey", "--backend", "vllm", "--model", str(tiny_folder[0])])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "lm-eval --backend vllm" in err
+
+
+# ----------------------------------------------------------------------------------------------- vLLM's parallelism
+
+
+def test_tensor_and_data_parallel_sizes_reach_lm_evals_vllm_model_and_the_probe(fake_vllm, monkeypatch):
+    """--tensor-parallel-size and --data-parallel-size are lm-eval's vllm model arguments as given; the probe's own
+    engine (started when replicas serve the scores) splits the model the same way. vLLM itself is faked here."""
+    import types
+
+    made, started = [], []
+
+    class FakeVLLM:  # lm_eval.models.vllm_causallms.VLLM, which imports vllm at its top
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.model = "scoring engine"
+
+    module = types.ModuleType("lm_eval.models.vllm_causallms")
+    module.VLLM = FakeVLLM
+    monkeypatch.setitem(sys.modules, "lm_eval.models.vllm_causallms", module)
+    monkeypatch.setattr(harness_engines, "stop_llm", lambda llm: None)
+    model = build_model(tiny_llama_config())  # native 64
+    monkeypatch.setattr(harness_engines, "start_llm",
+                        lambda folder, **kwargs: started.append((folder, kwargs)) or FakeLLM(model, 0.0))
+    engine = VllmEngine(model, make_char_tokenizer(), "the/folder", vllm_serving, tensor_parallel_size=2,
+                        data_parallel_size=4)
+    entry = MethodEntry("yarn:factor=2", "yarn", {"factor": 2.0})
+    with patched(model, "yarn", factor=2.0), engine.serving(entry, [96]) as lm_for:
+        lm_for(96, 3)
+        overrides, _ = vllm_serving(model, 96)
+    (kwargs,) = made
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["data_parallel_size"] == 4
+    assert kwargs["pretrained"] == "the/folder" and kwargs["max_model_len"] == 96 and kwargs["batch_size"] == 3
+    assert kwargs["hf_overrides"] == overrides
+    ((folder, probe),) = started  # data-parallel replicas: the probe starts one engine of its own
+    assert folder == "the/folder" and probe["tensor_parallel_size"] == 2 and "data_parallel_size" not in probe
+    assert engine.agreement is not None and engine.agreement.worst == 0.0
+
+
+def test_the_job_hands_the_parallel_sizes_to_the_vllm_engine(tiny_folder, monkeypatch, tmp_path):
+    from rope_patch.jobs import lm_eval as job
+
+    class Built(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(job, "require_vllm", lambda: None)
+    monkeypatch.setattr(job, "VllmEngine", capture)
+    with pytest.raises(Built) as built:
+        job.run_lm_eval(model=str(tiny_folder[0]), backend="vllm", method=["yarn:factor=2"], tasks=["hellaswag"],
+                        lengths=[128], tensor_parallel_size=2, data_parallel_size=4, output=str(tmp_path / "o"),
+                        progress=False)
+    assert built.value.args[0]["tensor_parallel_size"] == 2 and built.value.args[0]["data_parallel_size"] == 4
+
+
+def test_vllm_under_launched_processes_is_refused_with_its_own_options(tiny_folder, monkeypatch, capsys, tmp_path):
+    """vLLM spreads over GPUs itself: under accelerate launch or torchrun (faked: 2 processes) one line says how."""
+    from rope_patch.jobs import lm_eval as job
+
+    class TwoProcesses:
+        num_processes, process_index, is_main_process, device = 2, 0, True, "cpu"
+
+        def __init__(self, **_):
+            pass
+
+    monkeypatch.setattr(job, "Accelerator", TwoProcesses)
+    code = main(["lm-eval", "--backend", "vllm", "--model", str(tiny_folder[0]), "--tasks", "hellaswag",
+                 "--method", "yarn:factor=2", "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "not over 2 launched processes" in err and "--tensor-parallel-size and --data-parallel-size" in err
