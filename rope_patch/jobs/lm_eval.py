@@ -16,6 +16,7 @@ from ..eval.vllm_engine import require_vllm
 from ..eval.harness_report import (add_difference_to_reference, format_table, short_cost_table, summarize,
                                   tracker_steps, write_reports)
 from ..tracking import Trackers
+from ..eval.rows import LM_EVAL_ROWS
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -75,7 +76,7 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     if not sweep_lengths(config.sweep_metadata() or {}):  # one window for every method, or a refusal
         window = sweep_window(loaded.model, method_entries(loaded.model, config.method))
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
-    with open_store(results, KEY_FIELDS, job="rope-patch lm-eval") as store:  # held until the reports are written
+    with open_store(results, KEY_FIELDS, job="rope-patch lm-eval", rows=LM_EVAL_ROWS) as store:  # held until the reports are written
         return _run(config, loaded, catalog, window, store)
 
 

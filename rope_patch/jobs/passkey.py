@@ -9,6 +9,7 @@ from typing import Any
 from ..eval.passkey import KEY_FIELDS, evaluate_passkey
 from ..eval.passkey_report import format_table, short_cost_table, tracker_steps, write_reports
 from ..tracking import Trackers, metric_key
+from ..eval.rows import PASSKEY_ROWS
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -54,7 +55,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     loaded = config.load(loaded)
     settle_native_length(loaded.model, config.native_length, config.layer_types)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
-    with open_store(results, KEY_FIELDS, job="rope-patch passkey") as store:  # held until the reports are written
+    with open_store(results, KEY_FIELDS, job="rope-patch passkey", rows=PASSKEY_ROWS) as store:  # held until the reports are written
         return _run(config, loaded, store)
 
 

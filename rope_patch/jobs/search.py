@@ -34,6 +34,7 @@ from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, l
 from ..eval.search_report import format_table, write_reports
 from ..data.heldout import leave_out_training
 from ..files import atomic_write, output_folder
+from ..eval.rows import CANDIDATE_ROWS, PERPLEXITY_ROWS
 from ..eval.store import open_store
 from ..eval.sweep import model_setup
 from ..eval.needle import build_needle_documents
@@ -171,7 +172,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         config.to_yaml(out / "search_config.yaml")
 
     store = stack.enter_context(open_store(out / "candidates.jsonl" if out is not None else None, CANDIDATE_FIELDS,
-                                           job=JOB))
+                                           job=JOB, rows=CANDIDATE_ROWS))
     scorer = CandidateScorer(model, heldin, config.target_length, protocol, factor=factor, native_length=native,
                              store=store, setup=setup, loss_chunk=config.loss_chunk, needles=needles)
     evolution = config.evolution()
@@ -193,7 +194,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     with fast_path(model, config.kernels, config.attention_kernel), CONTROL.stoppable(model):
         if config.max_short_cost is not None:
             short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
-                                                         KEY_FIELDS, job=JOB))
+                                                         KEY_FIELDS, job=JOB, rows=PERPLEXITY_ROWS))
             settings["short_cost"] = check_short_cost(model, heldin, base, start, factor, native, protocol, config,
                                                       store=short_store, setup=setup)
         trace = evolve(start, scorer, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
@@ -205,7 +206,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         rows = []
         if heldout:
             heldout_store = stack.enter_context(open_store(out / "heldout.jsonl" if out is not None else None,
-                                                           KEY_FIELDS, job=JOB))
+                                                           KEY_FIELDS, job=JOB, rows=PERPLEXITY_ROWS))
             rows = compare_methods(model, heldout, methods, config.target_length, protocol, store=heldout_store,
                                    setup={**setup, "documents": None}, loss_chunk=config.loss_chunk,
                                    progress=config.progress)
