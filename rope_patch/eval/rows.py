@@ -150,12 +150,16 @@ NLL = real(0.0)  # a summed negative log-likelihood: −log p ≥ 0 for every to
 
 
 def _perplexity_agree(row: dict) -> str | None:
-    """The position bins count the row's tokens: as many bins as the length has (eval/perplexity.py's
-    _window_stats), token counts summing to ``tokens``, a forward at least as long as the length."""
+    """The position bins hold the row's tokens and losses: as many bins as the length has (eval/perplexity.py's
+    _window_stats), losses summing to ``nll`` and token counts to ``tokens``, a forward at least as long as the
+    length."""
     bins = math.ceil(row["length"] / row["position_bin"])
     if len(row["position_nll"]) != bins or len(row["position_tokens"]) != bins:
         return (f"perplexity row with {len(row['position_nll'])} and {len(row['position_tokens'])} position bins "
                 f"where length {row['length']} in bins of {row['position_bin']} has {bins}")
+    summed = math.fsum(row["position_nll"])
+    if abs(summed - row["nll"]) > 1e-6 * max(1.0, abs(row["nll"])):  # the same losses, summed in another order
+        return f"perplexity row whose position_nll sum to {summed:g}, not nll={row['nll']:g}"
     if sum(row["position_tokens"]) != row["tokens"]:
         return f"perplexity row whose position_tokens sum to {sum(row['position_tokens'])}, not tokens={row['tokens']}"
     if row.get("forward_length", row["length"]) < row["length"]:
