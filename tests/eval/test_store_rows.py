@@ -110,7 +110,8 @@ def report(kind: str, records: list[dict], out: Path) -> None:
         scorer = CandidateScorer(None, [], 16, Protocol(), factor=2.0, native_length=8, store=None, setup=SETUP)
         scorer.known = {record_key(r, CANDIDATE_FIELDS): r for r in records}
         for r in records:
-            assert scorer(np.asarray(r["long_factor"])) == float(r["perplexity"])
+            if scorer.record(r["long_factor"]) is r:  # this search's candidate (its setup, its factors as floats)
+                assert scorer(np.asarray(r["long_factor"])) == float(r["perplexity"])
 
 
 # ----------------------------------------------------------------------------------------------- the cases
@@ -247,7 +248,7 @@ def damaged_rows(draw, kind: str):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_rows_end_in_a_report_or_one_line_and_a_set_aside_row_is_kept(kind, data, tmp_path_factory,
