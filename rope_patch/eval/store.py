@@ -212,7 +212,7 @@ class ResultStore:
         return parsed
 
     def _set_aside(self, rejected: list[tuple[int, str, bytes]], kept: list[bytes]) -> None:
-        """Copy the lines that do not parse into the sidecar (synced), then rewrite the store without them."""
+        """Copy the lines that cannot be used into the sidecar (synced), then rewrite the store without them."""
         sidecar = self.path.with_name(self.path.name + REJECTED_SUFFIX)
         when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         entries = []
