@@ -15,14 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
-from .plots import length_axis, new_figure, run_title, save_figure, write_csv
+from .plots import (drawable, left_out_note, length_axis, new_figure, nothing_to_draw, run_title, save_figure,
+                    write_csv)
 
 SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples", "max_length", "difference_to_none")
 REFERENCE = "none"  # the short-context cost is the score difference to this method on the same task, metric, length
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A JSON number as a float (an integer past float64's range: inf); None for anything else."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict]:
@@ -38,13 +45,13 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict]:
                 if metric in ("alias", "name", "sample_len") or metric.endswith("_stderr") or _number(value) is None:
                     continue
                 length = record.get("length")
-                if metric.isdigit():
-                    if value == -1:  # RULER: no sample at this length in this run
-                        continue
+                if metric.isascii() and metric.isdigit():  # "²" is a digit to str.isdigit, not to int()
+                    if value == -1 or not 0 < len(metric.lstrip("0")) <= 9:  # RULER: no sample at this length;
+                        continue                                            # or 0, or 10 digits: not a length
                     metric, length = "score", int(metric)
                 name = metric if flt in ("", "none") else f"{metric},{flt}"
                 rows.append({"method": record["method"], "task": task, "metric": name, "length": length,
-                             "value": float(value), "stderr": _number(stderr),
+                             "value": _number(value), "stderr": _number(stderr),
                              "samples": samples, "max_length": record.get("max_length")})
     return rows
 
@@ -108,7 +115,8 @@ def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *, settings:
 
 def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
                          native_length: int | None = None, title: str = "") -> Path | None:
-    """One panel per task · metric that was measured at lengths, one line per method; None if none was."""
+    """One panel per task · metric that was measured at lengths, one line per method; None if none was. A score that
+    is not a finite number (lm-eval's NaN) is left out, and the figure says so."""
     panels: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for r in rows:
         if r["length"] is not None:
@@ -118,17 +126,24 @@ def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
     columns = min(3, len(panels))
     count = -(-len(panels) // columns)
     fig, axes = new_figure(4.2 * columns, 3.4 * count, columns=columns, rows=count)
+    left_out = [f"{r['method']} {r['task']} · {r['metric']} at {r['length']:,} ({r['value']})" for cell in panels.values()
+                for r in cell if not drawable(r["value"])]
     for ax, ((task, metric), cell) in zip(axes, panels.items()):
+        cell = [r for r in cell if drawable(r["value"])]
         for i, method in enumerate(dict.fromkeys(r["method"] for r in cell)):
             points = sorted((r["length"], r["value"]) for r in cell if r["method"] == method)
             ax.plot(*zip(*points), marker="osD^vP*X"[i % 8], fillstyle="none", markersize=max(4, 11 - 2 * i),
                     linewidth=1.2, label=method)
         length_axis(ax, [r["length"] for r in cell], native_length=native_length)
-        if all(0 <= r["value"] <= 1 for r in cell):  # accuracies and RULER scores: the whole range
+        if cell and all(0 <= r["value"] <= 1 for r in cell):  # accuracies and RULER scores: the whole range
             ax.set_ylim(-0.05, 1.05)
         ax.set_title(f"{task} · {metric}", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if cell:
+            ax.legend(fontsize=7)
+        else:
+            nothing_to_draw(ax, "no finite score")
+    left_out_note(fig, path, left_out, "not a finite score")
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     if title:

@@ -19,7 +19,6 @@ answer tokens), lower is better.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from ..errors import DataError
 from ..patching import fixed_length, forget_lengths_seen, input_device
 from .passkey import INTRO, NEEDLE, QUESTION
 from .window_loss import window_nll
+from .windows import perplexity
 
 
 @dataclass(frozen=True)
@@ -105,4 +105,4 @@ def answer_nll(model: nn.Module, needles: Sequence[NeedleDocument], *, loss_chun
 def answer_perplexity(scores: Sequence[tuple[float, int]]) -> float:
     """exp(Σ NLL / Σ tokens) over every answer token."""
     nll, tokens = sum(s for s, _ in scores), sum(n for _, n in scores)
-    return math.exp(nll / tokens) if tokens else math.nan
+    return perplexity(nll, tokens)  # inf past float64's range, never an OverflowError

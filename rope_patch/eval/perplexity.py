@@ -157,6 +157,19 @@ class _Sweep:
                 self.say(f"{label} at {length} tokens failed: {error}; continuing with the rest")
                 return
 
+    def fail_not_finite(self, label: str, length: int, nll: float) -> None:
+        """A document's loss came out NaN or infinite (logits that overflow the dtype, frequencies of a broken
+        config): the method fails at that length, said once, and the sweep goes on."""
+        if any(f.method == label and f.length == length for f in self.failures):
+            return
+        reason = (f"the loss is {nll} (not finite): the model's logits overflow {self.dtype_name()} or its RoPE is "
+                  "broken; try --dtype fp32")
+        self.failures.append(EvalFailure(label, length, reason))
+        self.say(f"{label} at {length} tokens failed: {reason}; continuing with the rest")
+
+    def dtype_name(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
     def say(self, message: str) -> None:
         if self.is_main:
             tqdm.write(f"{self.job}: {message}", file=sys.stderr)
@@ -216,6 +229,9 @@ class _Sweep:
                         totals = partial.pop((document, n))
                         for key in ("position_nll", "position_tokens"):
                             totals[key] = totals[key].tolist()  # JSON-ready
+                        if not all(map(math.isfinite, [totals["nll"], *totals["position_nll"]])):
+                            self.fail_not_finite(label, n, totals["nll"])  # a NaN is no result: never stored
+                            continue
                         self.finish(label, n, self.documents[document], totals)
             bar.update(tokens - advanced)
 

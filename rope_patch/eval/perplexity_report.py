@@ -19,7 +19,8 @@ from ..errors import DataError
 from .perplexity import EvalFailure
 from .windows import bootstrap_interval, describe_protocol, perplexity
 from ..files import atomic_write
-from .plots import length_axis, log_value_axis, new_figure, run_title, save_figure, series_style, write_csv
+from .plots import (drawable, left_out_note, length_axis, log_value_axis, new_figure, nothing_to_draw, run_title,
+                    save_figure, series_style, write_csv)
 from .sweep import MethodEntry
 
 SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
@@ -78,7 +79,7 @@ def summarize(
             nll, tokens = [r["nll"] for r in cell], [r["tokens"] for r in cell]
             low, high = bootstrap_interval(nll, tokens) if cell else (float("nan"), float("nan"))
             reason = failed.get((entry.label, length))
-            status = "ok" if cell else f"failed: {reason}" if reason else "missing"
+            status = f"failed: {reason}" if reason else "ok" if cell else "missing"  # a failure outranks a part
             ratio = (NAN, NAN, NAN)
             if cell and native_length is not None and length <= native_length:
                 ratio = ratio_to_reference(cell, [r for r in pool if r["method"] == REFERENCE and r["length"] == length])
@@ -149,7 +150,7 @@ def _cell_text(row: Mapping[str, Any]) -> str:
     if row["status"] != "ok":
         return "OOM" if "out of memory" in row["status"] else "-"
     value = row["perplexity"]
-    return f"{value:.3g}" if value >= 1000 else f"{value:.2f}"
+    return f"{value:.3g}" if not np.isfinite(value) or value >= 1000 else f"{value:.2f}"
 
 
 def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
@@ -173,27 +174,35 @@ def position_loss(records: Sequence[Mapping[str, Any]], method: str, length: int
 def plot_perplexity(rows: Sequence[Mapping[str, Any]], path: str | Path, *, native_length: int | None = None,
                     title: str = "") -> Path:
     """Perplexity against length (log-scaled axes, labelled ticks among the data), one line per method with its 95 %
-    band (drawn where there is more than one document), native length marked."""
+    band (drawn where there is more than one document), native length marked. A perplexity the log axis cannot show
+    (NaN, infinite past float64) is left out, and the figure says so (``left_out_note``)."""
     fig, (ax,) = new_figure()
-    shown = []
+    shown, left_out = [], []
     for index, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
-        cell = [r for r in rows if r["method"] == method and r["status"] == "ok"]
+        ok = [r for r in rows if r["method"] == method and r["status"] == "ok"]
+        cell = [r for r in ok if drawable(r["perplexity"], log=True)]
+        left_out += [f"{method} at {r['length']:,} ({r['perplexity']})" for r in ok if r not in cell]
         if not cell:
             continue
         x = [r["length"] for r in cell]
         y = [r["perplexity"] for r in cell]
         line, = ax.plot(x, y, label=method, markerfacecolor="none", **series_style(index))
         shown += y
-        if any(r["documents"] > 1 for r in cell):
-            ax.fill_between(x, [r["ci_low"] for r in cell], [r["ci_high"] for r in cell], color=line.get_color(),
-                            alpha=0.15)
-            shown += [r["ci_low"] for r in cell] + [r["ci_high"] for r in cell]
+        band = [r for r in cell if drawable(r["ci_low"], log=True) and drawable(r["ci_high"], log=True)]
+        if any(r["documents"] > 1 for r in band):
+            ax.fill_between([r["length"] for r in band], [r["ci_low"] for r in band], [r["ci_high"] for r in band],
+                            color=line.get_color(), alpha=0.15)
+            shown += [r["ci_low"] for r in band] + [r["ci_high"] for r in band]
     length_axis(ax, [r["length"] for r in rows], native_length=native_length)
     log_value_axis(ax, shown)
+    if not shown:
+        nothing_to_draw(ax, "no finite perplexity")
+    left_out_note(fig, path, left_out, "not a finite perplexity")
     ax.set_ylabel("perplexity")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    if shown:
+        ax.legend(fontsize=8)
     return save_figure(fig, path)
 
 
@@ -259,7 +268,8 @@ def tracker_steps(rows: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, floa
         if r["status"] != "ok":
             continue
         step = steps.setdefault(int(r["length"]), {})
-        step[metric_key("perplexity", r["method"])] = r["perplexity"]
+        if np.isfinite(r["perplexity"]):  # an infinite perplexity is in the table, not a tracker's number
+            step[metric_key("perplexity", r["method"])] = r["perplexity"]
         ratio = r.get("ratio_to_none")
         if ratio is not None and np.isfinite(ratio):
             step[metric_key("short_cost", r["method"])] = ratio - 1

@@ -2,6 +2,10 @@
 
 Figures are built with matplotlib's object API (``matplotlib.figure.Figure``), never pyplot, so rope_patch changes no
 global plotting state: a notebook's backend stays as it was.
+
+A value a figure cannot show (NaN, an infinite perplexity, zero or below on a log axis) is left out of it, and the
+figure says so in a footnote, as does one line on stderr (``left_out_note``); a figure with nothing to draw says that
+in its middle. A report never fails on its plots' numbers.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,16 +83,39 @@ def series_style(index: int) -> dict[str, Any]:
     return {"marker": marker, "linestyle": linestyle}
 
 
+def drawable(value: Any, *, log: bool = False) -> bool:
+    """Whether a value can be drawn: a finite number, and above 0 on a log axis."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        return False
+    return math.isfinite(value) and (not log or value > 0)
+
+
+def left_out_note(fig: Figure, path: str | Path, left_out: Sequence[str], why: str) -> None:
+    """Say which values a figure leaves out and why: a footnote under the figure, and one line on stderr."""
+    if not left_out:
+        return
+    shown = ", ".join(left_out[:4]) + (f" and {len(left_out) - 4} more" if len(left_out) > 4 else "")
+    text = f"left out, {why}: {shown}"
+    fig.text(0.01, -0.02, text, fontsize=7, ha="left", va="top", wrap=True)
+    print(f"{Path(path).name}: {text}", file=sys.stderr)
+
+
+def nothing_to_draw(ax, what: str) -> None:
+    """An empty panel that says why it is empty."""
+    ax.text(0.5, 0.5, f"nothing to draw: {what}", ha="center", va="center", transform=ax.transAxes, fontsize=9)
+
+
 def log_value_axis(ax, values: Sequence[float]) -> None:
     """A log y axis whose labelled ticks sit among the data: plain-number ticks within a narrow range (5.6 to 6.3
-    gets 5.6, 5.8, 6, 6.2), 1-2-3-5 per decade over a wide one, never an axis whose data falls between labels."""
-    finite = [v for v in values if v is not None and np.isfinite(v) and v > 0]
+    gets 5.6, 5.8, 6, 6.2), 1-2-3-5 per decade over a wide one, never an axis whose data falls between labels. With
+    no value above 0 to show, the axis stays linear (a log axis of nothing cannot be drawn)."""
+    finite = [v for v in values if drawable(v, log=True)]
+    if not finite:
+        return
     ax.set_yscale("log")
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_minor_locator(NullLocator())
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.3g}"))
-    if not finite:
-        return
     low, high = min(finite), max(finite)
     if high / low <= 8:
         candidates = [t for t in MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high) if t > 0]

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..methods.evolution import SearchTrace
 from ..files import atomic_write
-from .plots import new_figure, save_figure, write_csv
+from .plots import drawable, left_out_note, new_figure, save_figure, write_csv
 
 TABLE_FIELDS = ("method", "heldin_perplexity", "heldout_perplexity", "documents", "tokens", "status", "spec")
 
@@ -34,7 +34,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], *, target: int, heldin: Sequ
 def _number(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value:.3g}" if value >= 1000 else f"{value:.3f}"
+    return f"{value:.3g}" if not math.isfinite(value) or value >= 1000 else f"{value:.3f}"
 
 
 def plot_factors(curves: Mapping[str, Sequence[float]], path: str | Path, *, title: str = "") -> Path:
@@ -54,17 +54,22 @@ def plot_factors(curves: Mapping[str, Sequence[float]], path: str | Path, *, tit
 
 def plot_fitness(trace: SearchTrace, path: str | Path, *, references: Mapping[str, float] | None = None,
                  title: str = "") -> Path:
-    """Every candidate's held-in perplexity in the order scored, and the best so far."""
+    """Every candidate's held-in perplexity in the order scored, and the best so far; a perplexity that is not finite
+    (past float64's range) is left out, and the figure says so."""
     fig, (ax,) = new_figure()
     values = np.array([s.fitness for s in trace.scored], dtype=np.float64)
     x = np.arange(1, len(values) + 1)
+    left_out_note(fig, path, [f"candidate {i} ({v})" for i, v in zip(x, values) if not np.isfinite(v)],
+                  "not a finite perplexity")
+    best = np.fmin.accumulate(values)  # (candidates,)
+    values, best = np.where(np.isfinite(values), values, np.nan), np.where(np.isfinite(best), best, np.nan)
     colours = {"initial": "black", "mutation": "tab:blue", "crossover": "tab:orange"}
     for origin, colour in colours.items():
         chosen = [i for i, s in enumerate(trace.scored) if s.origin == origin]
         if chosen:
             ax.scatter(x[chosen], values[chosen], s=12, color=colour, label=origin, zorder=2)
-    ax.plot(x, np.fmin.accumulate(values), color="tab:green", linewidth=1.8, label="best so far", zorder=3)
-    for name, value in (references or {}).items():
+    ax.plot(x, best, color="tab:green", linewidth=1.8, label="best so far", zorder=3)
+    for name, value in ((n, v) for n, v in (references or {}).items() if drawable(v)):
         ax.axhline(value, linestyle="--", linewidth=1, color="grey")
         ax.annotate(name, (x[-1], value), fontsize=7, ha="right", va="bottom")
     ax.set_xlabel("candidates scored")

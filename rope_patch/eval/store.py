@@ -4,8 +4,10 @@ Each finished unit (a method × length × document of perplexity, one passkey tr
 JSON line, written whole and synced the moment it is known. Re-opening the file skips what is done.
 
 Nothing that parses is ever deleted. A line that does not parse (a crash cut the last one short, or the file was
-edited or damaged: not JSON, JSON that is not an object, not UTF-8) is set aside into ``results.jsonl.rejected``
-beside the store, with where it came from, and the user is told in one line; every other line stays, in order. The
+edited or damaged: not JSON, JSON that is not an object, not UTF-8, an integer of more digits than Python reads or
+nesting deeper than it parses), and a row of the wrong shape for its kind (``rows.py``: ``tokens: 0``, ``nll`` a
+string, a NaN; its cell is then computed again), is set aside into ``results.jsonl.rejected`` beside the store, with
+where it came from and why, and the user is told in one line; every other line stays, in order. The
 writing process holds the folder's lock (``FolderLock``) from opening to closing, so a rewrite (only
 after the set-aside copy is synced, atomically) and every append happen with no other writer; readers take no lock and
 change nothing. A full disk leaves no half line: the file is cut back to its last whole line and the error names the
@@ -29,9 +31,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, DiskFullError
+from ..errors import ConfigError, DataError, DiskFullError
 from ..files import FolderLock, atomic_write, disk_full_error, open_inside, refuse_link, sync_folder
 from ..hub import cache_dir
+from .rows import RowSchema
 
 REJECTED_SUFFIX = ".rejected"  # results.jsonl.rejected: the lines set aside
 
@@ -53,6 +56,10 @@ def parse_line(raw: bytes) -> dict | str:
         record = json.loads(text)
     except json.JSONDecodeError:
         return "not JSON"
+    except ValueError:  # an integer beyond Python's digit limit (sys.set_int_max_str_digits)
+        return "JSON with an integer too long to read"
+    except RecursionError:
+        return "JSON nested too deep to read"
     return record if isinstance(record, dict) else f"JSON {type(record).__name__}, not an object"
 
 
@@ -117,13 +124,17 @@ class ResultStore:
     ``writer=True`` (the default) holds the folder's lock until ``close`` (or the end of a ``with`` block, or the
     process): a second writer on the folder waits for it. ``writer=False`` reads what is there, takes no lock and
     changes nothing (the other processes of a multi-process run, reports).
+
+    ``rows`` (``rows.py``): the shape of the kind's rows. A row read that is not of it is set aside like a line that
+    does not parse, and a record of another shape is never appended (it would be set aside on the next run).
     """
 
     def __init__(self, path: str | os.PathLike, key_fields: Sequence[str], *, writer: bool = True,
-                 job: str = "rope-patch"):
+                 job: str = "rope-patch", rows: RowSchema | None = None):
         self.path = Path(path)
         self.file = results_file(self.path)  # the file the rows go to: the path, or a link's target
         self.key_fields = tuple(key_fields)
+        self.rows = rows
         self.writer, self.job = writer, job
         self._records: list[dict] = []
         self._keys: set[tuple[str, ...]] = set()
@@ -174,17 +185,29 @@ class ResultStore:
         lines = [line + b"\n" for line in data.split(b"\n")]
         lines[-1] = lines[-1][:-1]  # what follows the last end of line: empty, or a line cut short
         for number, raw in enumerate(filter(None, lines), 1):
-            parsed = parse_line(raw)
+            parsed = self._read(raw)
             if isinstance(parsed, dict):
                 kept.append(raw)
-                self._remember(parsed)
             else:
                 rejected.append((number, parsed, raw))
         if rejected and self.writer:
             self._set_aside(rejected, kept)
 
+    def _read(self, raw: bytes) -> dict | str:
+        """A stored line's record, remembered, or why it cannot be used (it does not parse, or is of the wrong
+        shape)."""
+        parsed = parse_line(raw)
+        if isinstance(parsed, dict) and self.rows is not None:
+            parsed = self.rows.problem(parsed) or parsed
+        if isinstance(parsed, dict):
+            try:
+                self._remember(parsed)
+            except (ValueError, RecursionError):  # a key json.dumps cannot write back
+                return "a key that cannot be written back as JSON"
+        return parsed
+
     def _set_aside(self, rejected: list[tuple[int, str, bytes]], kept: list[bytes]) -> None:
-        """Copy the lines that do not parse into the sidecar (synced), then rewrite the store without them."""
+        """Copy the lines that cannot be used into the sidecar (synced), then rewrite the store without them."""
         sidecar = self.path.with_name(self.path.name + REJECTED_SUFFIX)
         when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         entries = []
@@ -197,8 +220,9 @@ class ResultStore:
         append_bytes(sidecar, "".join(entries).encode("utf-8"))
         atomic_write(self.file, b"".join(kept))
         where = ", ".join(f"line {n}: {why}" for n, why, _ in rejected[:3]) + (", ..." if len(rejected) > 3 else "")
-        print(f"{self.job}: set aside {len(rejected)} unreadable line{'s' if len(rejected) > 1 else ''} of {self.path} "
-              f"({where}) into {sidecar}; the {len(kept)} other lines are kept", file=sys.stderr)
+        print(f"{self.job}: set aside {len(rejected)} unreadable or malformed line{'s' if len(rejected) > 1 else ''} "
+              f"of {self.path} ({where}) into {sidecar}; the {len(kept)} other lines are kept (a malformed row's work "
+              "is done again)", file=sys.stderr)
 
     def key(self, record: Mapping[str, Any]) -> tuple[str, ...]:
         return record_key(record, self.key_fields)
@@ -223,6 +247,9 @@ class ResultStore:
             raise RuntimeError(f"{self.path} is closed: open the store again to append")
         if record in self:
             return
+        why = self.rows.problem(record) if self.rows is not None else None
+        if why:  # a bug, not bad input: the row would be set aside on the next run and its work repeated forever
+            raise DataError(f"{self.job}: a result of the wrong shape was not stored in {self.path} ({why})")
         line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
         try:
             append_bytes(self.file, line)
@@ -243,10 +270,10 @@ class ResultStore:
 
 @contextlib.contextmanager
 def open_store(path: str | os.PathLike | None, key_fields: Sequence[str], *, writer: bool = True,
-               job: str = "rope-patch") -> Iterator[ResultStore | None]:
+               job: str = "rope-patch", rows: RowSchema | None = None) -> Iterator[ResultStore | None]:
     """A job's store for one run, closed (its folder let go) on success and on error; None where there is no output."""
     if path is None:
         yield None
         return
-    with ResultStore(path, key_fields, writer=writer, job=job) as store:
+    with ResultStore(path, key_fields, writer=writer, job=job, rows=rows) as store:
         yield store

@@ -31,8 +31,8 @@ from torch import nn
 from ..methods import check_spec_alone, method_label, parse_method_spec
 from ..choices import AS_LOADED
 from ..errors import ConfigError
-from ..patching import (config_scaling_label, current_patch, find_rotary_modules, named_weights, patch_state, patched,
-                        primary_rotary)
+from ..patching import (check_loaded_rope, config_scaling_label, current_patch, find_rotary_modules, named_weights,
+                        patch_state, patched, primary_rotary)
 from .store import ResultStore, record_key
 
 FINGERPRINT_SAMPLES = 256  # values read from each weight tensor for the model's fingerprint
@@ -51,10 +51,14 @@ class MethodEntry:
 def method_entries(model: nn.Module | None, specs: Sequence[MethodSpec]) -> list[MethodEntry]:
     """The entry of each method spec, checked now (a typo fails before hours of work); ``as-loaded`` is labelled with
     the scaling the model carries, e.g. ``as-loaded (linear:factor=2)`` (just ``as-loaded`` before a model exists).
-    A method given twice (the same label) is one entry: its results would otherwise be counted twice."""
+    A method given twice (the same label) is one entry: its results would otherwise be counted twice. A model whose
+    RoPE settings as loaded hold a NaN, an infinity or a zero factor is refused for ``as-loaded`` (its numbers would
+    be NaN)."""
     entries: list[MethodEntry] = []
     for spec in specs:
         if spec == AS_LOADED:
+            if model is not None and current_patch(model) is None:
+                check_loaded_rope(model, f"evaluating it {AS_LOADED}")
             label = f"{AS_LOADED} ({scaling_label(model)})" if model is not None else AS_LOADED
             entries.append(MethodEntry(label, AS_LOADED))
         else:

@@ -127,16 +127,31 @@ def describe_protocol(name: str, stride: int | None, bos: bool) -> str:
 
 
 def perplexity(nll: float, tokens: int) -> float:
-    """Token-weighted perplexity exp(Σ NLL / Σ tokens)."""
-    return math.exp(nll / tokens) if tokens else float("nan")
+    """Token-weighted perplexity exp(Σ NLL / Σ tokens), from its logarithm, the mean NLL: a mean beyond
+    ln(float64's largest) ≈ 709.78 nats (logits of 1e30, say) is a perplexity past float64's range, returned as
+    ``inf``, and reports print it as ``inf`` and leave it out of plots, saying so; NaN where no token was scored."""
+    if not tokens:
+        return float("nan")
+    mean = float(nll) / float(tokens)  # the log-perplexity: finite wherever the NLL is
+    try:
+        return math.exp(mean)
+    except OverflowError:
+        return math.inf
 
 
 def bootstrap_interval(
     nll: Sequence[float], tokens: Sequence[int], *, samples: int = 1000, seed: int = 0
 ) -> tuple[float, float]:
-    """95 % interval of the token-weighted perplexity, resampling whole documents with replacement."""
+    """95 % interval of the token-weighted perplexity, resampling whole documents with replacement. Where a resample's
+    perplexity passes float64's range (``perplexity``), the percentiles are taken of the log-perplexities and then
+    exponentiated (inf beyond the range), never of infinities (whose interpolation is NaN)."""
     nll, tokens = np.asarray(nll, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
     picks = np.random.default_rng(seed).integers(0, len(nll), size=(samples, len(nll)))  # (samples, documents)
-    values = np.exp(nll[picks].sum(axis=1) / tokens[picks].sum(axis=1))
-    low, high = np.percentile(values, [2.5, 97.5])
+    means = nll[picks].sum(axis=1) / tokens[picks].sum(axis=1)  # (samples,) log-perplexities
+    with np.errstate(over="ignore"):
+        values = np.exp(means)  # (samples,)
+        if np.isfinite(values).all() or not np.isfinite(means).all():
+            low, high = np.percentile(values, [2.5, 97.5])
+        else:
+            low, high = np.exp(np.percentile(means, [2.5, 97.5]))
     return float(low), float(high)

@@ -21,6 +21,7 @@ from ..eval.perplexity_report import REFERENCE, format_table, summarize, tracker
 from ..tracking import Trackers, metric_key
 from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
+from ..eval.rows import PERPLEXITY_ROWS
 from ..eval.store import open_store
 from ..eval.sweep import method_entries, positions_follow_length
 from ..patching import input_device, native_length
@@ -126,7 +127,8 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     setup = config.setup(loaded, data=documents_fingerprint(corpus), bos=protocol.bos_id)
     results = Path(config.output) / "results.jsonl" if config.output is not None else None
     with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
-        store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process, job=JOB))
+        store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process, job=JOB,
+                                                  rows=PERPLEXITY_ROWS))
     trackers = stack.enter_context(Trackers(config.report_to if accelerator.is_main_process else None,
                                             project="rope-patch-eval", folder=config.output, config=settings))
 

@@ -19,6 +19,7 @@ from ..eval.vllm_engine import require_vllm
 from ..eval.harness_report import (add_difference_to_reference, format_table, short_cost_table, summarize,
                                   tracker_steps, write_reports)
 from ..tracking import Trackers
+from ..eval.rows import LM_EVAL_ROWS
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -94,7 +95,7 @@ def run_lm_eval(config: LmEvalConfig | None = None, /, **options: Any) -> LmEval
     with contextlib.ExitStack() as stack:  # the store held until the reports are written
         with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
             store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process,
-                                                   job="rope-patch lm-eval"))
+                                                   job="rope-patch lm-eval", rows=LM_EVAL_ROWS))
         return _run(config, loaded, catalog, window, store, accelerator)
 
 

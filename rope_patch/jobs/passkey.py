@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..eval.passkey import KEY_FIELDS, evaluate_passkey
 from ..eval.passkey_report import format_table, short_cost_table, tracker_steps, write_reports
 from ..tracking import Trackers, metric_key
+from ..eval.rows import PASSKEY_ROWS
 from ..eval.store import ResultStore, open_store
 from ..eval.sweep import method_entries
 from ..patching import native_length
@@ -68,7 +69,7 @@ def run_passkey(config: PasskeyConfig | None = None, /, **options: Any) -> Passk
     with contextlib.ExitStack() as stack:  # the store held until the reports are written
         with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
             store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process,
-                                                   job="rope-patch passkey"))
+                                                   job="rope-patch passkey", rows=PASSKEY_ROWS))
         return _run(config, loaded, store, accelerator)
 
 

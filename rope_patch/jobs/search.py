@@ -36,6 +36,7 @@ from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, l
 from ..eval.search_report import format_table, write_reports
 from ..data.heldout import leave_out_training
 from ..files import atomic_write, output_folder
+from ..eval.rows import CANDIDATE_ROWS, PERPLEXITY_ROWS
 from ..eval.store import open_store
 from ..eval.sweep import model_setup
 from ..eval.needle import build_needle_documents
@@ -190,7 +191,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
 
     with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
         store = stack.enter_context(open_store(out / "candidates.jsonl" if out is not None else None,
-                                               CANDIDATE_FIELDS, writer=main, job=JOB))
+                                               CANDIDATE_FIELDS, writer=main, job=JOB, rows=CANDIDATE_ROWS))
 
     def scorer_for(documents: list, length: int, stage: str, key: dict) -> CandidateScorer:
         needles = None
@@ -232,7 +233,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         if config.max_short_cost is not None:
             with accelerator.main_process_first():
                 short_store = stack.enter_context(open_store(out / "short_cost.jsonl" if out is not None else None,
-                                                             KEY_FIELDS, writer=main, job=JOB))
+                                                             KEY_FIELDS, writer=main, job=JOB, rows=PERPLEXITY_ROWS))
             settings["short_cost"] = check_short_cost(model, heldin, base, start, factor, native, protocol, config,
                                                       store=short_store, setup=setup, accelerator=accelerator)
         trace = evolve(start, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
@@ -250,7 +251,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         if heldout:
             with accelerator.main_process_first():
                 heldout_store = stack.enter_context(open_store(out / "heldout.jsonl" if out is not None else None,
-                                                               KEY_FIELDS, writer=main, job=JOB))
+                                                               KEY_FIELDS, writer=main, job=JOB, rows=PERPLEXITY_ROWS))
             rows = compare_methods(model, heldout, methods, config.target_length, protocol, store=heldout_store,
                                    setup={**setup, "documents": None}, loss_chunk=config.loss_chunk,
                                    progress=config.progress and main, accelerator=accelerator)

@@ -8,6 +8,7 @@ accelerate dispatched, ``core`` holds the public verbs.
 
 from .core import (
     PatchReport,
+    check_loaded_rope,
     current_patch,
     fixed_length,
     native_length,
@@ -28,7 +29,7 @@ from .record import CONFIG_KEY, config_scaling_label, saved_patch
 from .rotary import find_rotary_modules, forget_lengths_seen, inv_freq_buffer, rotary_dim
 
 __all__ = [
-    "CONFIG_KEY", "PatchReport", "config_scaling_label", "current_patch", "find_rotary_modules", "fixed_length",
+    "CONFIG_KEY", "PatchReport", "check_loaded_rope", "config_scaling_label", "current_patch", "find_rotary_modules", "fixed_length",
     "forget_lengths_seen", "has_offloaded_weights", "input_device", "inv_freq_buffer", "measure_layouts",
     "named_weights", "native_length", "native_length_source", "patch", "patch_state", "patched", "primary_rotary",
     "restore_saved_patch", "rotary_dim", "rotary_setup", "saved_patch", "set_layer_types", "set_native_length",

@@ -28,6 +28,7 @@ from .record import (
     ConfigSnapshot,
     NativeLength,
     carries_scaling,
+    check_rope_parameters,
     native_length_of,
     original_rope_parameters,
     patch_record,
@@ -229,6 +230,14 @@ def _resolve_native(model: nn.Module, module: nn.Module, layer_type: str | None,
     return native_length_of(module.config, layer_type, live, given)
 
 
+def check_loaded_rope(model: nn.Module, doing: str) -> None:
+    """Refuse, in one line naming the key, a model whose RoPE settings as loaded (every rotary module's config) hold
+    a NaN, an infinity, or a zero or negative factor: transformers loads it and computes NaN frequencies (``doing``:
+    what was asked, e.g. evaluating it as loaded)."""
+    for config in {id(m.config): m.config for _, m in find_rotary_modules(model)}.values():
+        check_rope_parameters(config, getattr(config, "rope_parameters", None) or {}, doing)
+
+
 def native_length(model: nn.Module) -> int:
     """The context length the model was pretrained for (before any rope_patch scaling)."""
     return native_length_source(model)[0]
@@ -272,8 +281,9 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
     if frequency is not None:
         for name, module in modules:
             for layer_type in select_layer_types(module, layer_types):
-                base = rotary_setup(model, module, layer_type, native_length)
                 original, rotating = _family_rope(model, module, layer_type)
+                check_rope_parameters(module.config, original, f"patch({method!r})")  # before anything reads them
+                base = rotary_setup(model, module, layer_type, native_length)
                 check_base(model, name, module, layer_type, base, scaled=carries_scaling(module.config, layer_type),
                            rotating_pairs=rotating)
                 given = {**model_defaults(get_method(frequency[0]).params, original), **frequency[1]}
@@ -281,6 +291,8 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
                                          rotating_pairs=rotating))
     scales = _planned_softmax_scales(model, plan, frequency[0]) if frequency is not None else []
     _, first_module, first_type = primary_rotary(model)
+    if frequency is None:  # an attention method alone runs on the frequencies as loaded
+        check_loaded_rope(model, f"patch({method!r})")
     primary = plan[0].base if plan else rotary_setup(model, first_module, first_type, native_length)
     attention_params = resolve_params(attention[0], primary, attention[1]) if attention else None
     layouts = measure_layouts(model) if attention else None  # refuses a model the methods cannot compute exactly

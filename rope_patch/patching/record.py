@@ -14,12 +14,15 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
-from ..errors import NativeLengthError
+from ..errors import InvalidParameterError, NativeLengthError
 from ..hub import quiet_transformers
 from ..methods import RopeBase, get_method
 from .families import carried_entries, is_unscaled, proportional_spelling
@@ -56,6 +59,49 @@ def saved_patch(config) -> dict[str, Any] | None:
     """The patch a rope_patch checkpoint recorded in its config, or None."""
     record = getattr(config, CONFIG_KEY, None)
     return record if isinstance(record, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numbers a model's RoPE can be computed with: finite, and above 0 where zero means nothing.
+
+# rope_parameters entries that must be numbers above 0 wherever they are given (None: not given): a factor of 0 divides
+# the frequencies by zero, a rope_theta of 0 has none, a native length of 0 is no length.
+POSITIVE_ROPE_KEYS = ("factor", "rope_theta", "attention_factor", "original_max_position_embeddings",
+                      "low_freq_factor", "high_freq_factor", "short_factor", "long_factor", "partial_rotary_factor")
+
+
+def rope_parameters_problem(params: Any, where: str = "rope_parameters") -> str | None:
+    """Why a config's ``rope_parameters`` (flat, or per layer type) cannot be computed with, naming the key: a number
+    that is NaN or infinite anywhere, or an entry of POSITIVE_ROPE_KEYS that is not a number above 0; None if none.
+    transformers loads such a config and computes NaN frequencies from it: a perplexity of NaN with exit 0."""
+    if not isinstance(params, Mapping):
+        return f"{where} is {type(params).__name__}, not an object of RoPE settings"
+    for key, value in params.items():
+        spot = f"{where}.{key}"
+        if isinstance(value, Mapping):  # one layer type's RoPE (Gemma 3's full_attention, ...)
+            why = rope_parameters_problem(value, spot)
+            if why:
+                return why
+            continue
+        for entry in value if isinstance(value, (list, tuple)) else [value]:
+            number = isinstance(entry, numbers.Real) and not isinstance(entry, bool)
+            if number and not math.isfinite(entry):
+                return f"{spot} is {entry}, not a finite number"
+            if key in POSITIVE_ROPE_KEYS and entry is not None and (not number or entry <= 0):
+                shown = repr(entry) if number or isinstance(entry, str) else type(entry).__name__
+                return f"{spot} is {shown[:40]}, not a number above 0"
+    return None
+
+
+def check_rope_parameters(config, params: Any, doing: str) -> None:
+    """Refuse, in one line naming the key and the fix, RoPE settings ``rope_parameters_problem`` finds wrong, before
+    ``doing`` computes anything with them."""
+    why = rope_parameters_problem(params)
+    if why:
+        raise InvalidParameterError(
+            f"{type(config).__name__}: {why}, so {doing} would give NaN or meaningless frequencies; fix "
+            "rope_parameters in the model's config.json (a finite factor above 0, e.g. \"factor\": 2.0, or "
+            "\"rope_type\": \"default\" for plain RoPE)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
