@@ -142,7 +142,7 @@ def test_a_full_disk_while_the_converted_copy_is_written_is_one_line_and_leaves_
 def test_a_full_disk_during_the_first_conversion_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     """The reported case end to end, on a real full tmpfs and a real GGUF (a tiny stand-in for the embedded model:
     transformers dequantizes it, as the first run does): one line, exit 2, no folder a later run would trust; with
-    space freed, the same command converts and runs. Slow: 7.5 to 12 minutes measured on a loaded 2-core machine."""
+    space freed, the same command converts and runs. Slow: 7.5 minutes measured on a loaded 2-core machine (over 10 on a busier one)."""
     tiny_embedded_package(tmp_path / "packages")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "packages"),
                                                                    os.environ.get("PYTHONPATH")])))
