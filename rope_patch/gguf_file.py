@@ -110,7 +110,8 @@ def raw_bytes(value: str) -> bytes:
 
 
 def shown(name: str, limit: int = 80) -> str:
-    """A name for a one-line message: escaped, and cut at ``limit`` characters (a key may be a gigabyte long)."""
+    """A name for a one-line message, quoted: escaped, and cut at ``limit`` characters (a key may be a gigabyte
+    long)."""
     return ascii(name[:limit] + ("..." if len(name) > limit else ""))
 
 

@@ -300,11 +300,11 @@ def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None,
             continue
         if key in UNKNOWN_KEYS or (key.startswith("rope.") and key not in REPLACED_KEYS + KEPT_ROPE_KEYS):
             what = UNKNOWN_KEYS.get(key, "a RoPE key rope_patch's GGUF writer does not know")
-            raise EngineUnsupportedError(f"{where}: the file has {name} ({what}); rope_patch cannot carry a method "
-                                         f"over it exactly: {_LLAMA_CPP_FLAGS}")
+            raise EngineUnsupportedError(f"{where}: the file has {gguf_file.shown(name)[1:-1]} ({what}); rope_patch "
+                                         f"cannot carry a method over it exactly: {_LLAMA_CPP_FLAGS}")
     if arch not in LLAMA_CPP_ARCHITECTURES:
         raise EngineUnsupportedError(
-            f"{where}: llama.cpp architecture {arch!r}: rope_patch retags {', '.join(LLAMA_CPP_ARCHITECTURES)} (whose "
+            f"{where}: llama.cpp architecture {gguf_file.shown(arch)}: rope_patch retags {', '.join(LLAMA_CPP_ARCHITECTURES)} (whose "
             f"RoPE it has read in llama.cpp's source); {_LLAMA_CPP_FLAGS}")
 
     def value(key: str, default: Any = None, *, kind: str = "int", low: float = 1, high: float = MAX_POSITION
@@ -328,6 +328,8 @@ def read_gguf_rope(path: str | os.PathLike, *, native_length: int | None = None,
             raise ConfigError(f"{where}: {arch}.{key} is stored as {gguf_file._type_name(stored)}, not {wanted}; the "
                               "file is damaged or was not written by llama.cpp's converter")
         if isinstance(got, tuple):  # per-layer arrays (head counts): one value for every layer, or refused
+            if not got:
+                raise ConfigError(f"{where}: {arch}.{key} is an empty array; the file states no value for it")
             if len(set(got)) != 1:
                 raise EngineUnsupportedError(f"{where}: {arch}.{key} differs between layers; rope_patch retags "
                                              "files with one value for every layer")

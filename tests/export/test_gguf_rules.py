@@ -599,6 +599,17 @@ def test_every_crafted_file_agrees_with_llama_cpp(tmp_path):
     assert counts["read"] > 10 and counts["refused"] > 10, counts
 
 
+@pytest.mark.engines
+def test_the_embedded_models_retag_agrees_with_llama_cpp(tmp_path):
+    """A real file (SmolLM2's Q4_1 GGUF, 49,152 tokens): llama.cpp reads in the retag every key and tensor it reads
+    in the original, RoPE keys apart."""
+    if ggml_base_library() is None:
+        pytest.skip("llama.cpp's library missing (llama-cpp-python, or LLAMA_CPP_LIB_PATH)")
+    from rope_patch.loading import default_gguf_path
+
+    assert agreement([default_gguf_path()], tmp_path) == {"read": 1, "refused": 0}
+
+
 if __name__ == "__main__":  # llama.cpp's reading of each file given, one JSON line each (see llama_cpp_readings)
     loaded = _load(ggml_base_library())
     for argument in sys.argv[1:]:
