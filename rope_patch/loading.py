@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -275,6 +276,16 @@ ROPE_KEYS = ("rope_parameters", "rope_scaling")  # transformers 5's name, and 4.
 ROPE_WHOLE = ("original_max_position_embeddings",)  # a whole number of tokens, at least 1
 ROPE_NUMBERS = ("factor", "rope_theta", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor",
                 "high_freq_factor", "mscale", "mscale_all_dim")  # numbers; their ranges are checked when patching
+# transformers 5 writes a non-finite float into config.json as {"__float__": "NaN"} and reads it back as the float
+SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(value: Any) -> Any:
+    """``value``, or the float transformers reads from its ``{"__float__": "NaN"}`` spelling (its range is checked
+    with the others when patching or evaluating as loaded: patching/record.py)."""
+    if isinstance(value, dict) and set(value) == {"__float__"} and value["__float__"] in SPECIAL_FLOATS:
+        return SPECIAL_FLOATS[value["__float__"]]
+    return value
 
 
 def check_rope_parameters(config_file: str | os.PathLike) -> None:
@@ -307,12 +318,12 @@ def check_rope_parameters(config_file: str | os.PathLike) -> None:
 
 def _check_rope_values(where: str, params: dict[str, Any]) -> None:
     for name in ROPE_WHOLE:
-        value = params.get(name)
+        value = _special_float(params.get(name))
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise ConfigError(f"{where}: {name} is {shown(value)}; it is the native context length, a whole number of "
                               "tokens of at least 1 (e.g. 8192, not \"8k\"): fix it in config.json")
     for name in ROPE_NUMBERS:
-        value = params.get(name)
+        value = _special_float(params.get(name))
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"{where}: {name} is {shown(value)}, not a number: fix it in config.json")
 
