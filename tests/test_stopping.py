@@ -96,13 +96,32 @@ def finetune_settings(root: Path):
     return settings
 
 
+def search_settings(root: Path):
+    def settings(output: Path) -> dict:  # 12 candidates x 2 documents at twice the native 64 tokens
+        return dict(model=root / "tiny", dataset=root / "corpus", lengths=[128], dtype="fp32", documents=2,
+                    heldout_documents=0, candidates=12, population=4, parents=2, mutations=2, crossovers=2,
+                    progress=False, output=output)
+    return settings
+
+
+def passkey_settings(root: Path):
+    def settings(output: Path) -> dict:  # 8 trials, dealt one per process per round
+        return dict(model=root / "tiny", method=["none", "yarn:factor=2"], lengths=[250], depths=[0.0, 1.0],
+                    trials=2, max_new_tokens=3, dtype="fp32", progress=False, output=output)
+    return settings
+
+
 def launched_jobs(root: Path) -> dict[str, LaunchedJob]:
-    """The jobs the interrupt test runs across processes (search and passkey join here): eval stops at the next
-    layer, finetune at the end of the step (its rows: the training log's steps)."""
+    """The jobs the interrupt test runs across processes: eval, search and passkey stop at the next layer (search and
+    passkey after the round's gather), finetune at the end of the step (its rows: the training log's steps)."""
     return {"eval": LaunchedJob("eval", eval_settings(root),
                                 jsonl_rows(("method", "length", "document", "protocol", "stride"), ("nll", "tokens"))),
             "finetune": LaunchedJob("finetune", finetune_settings(root),
-                                    csv_rows(("step",), ("loss", "tokens_seen"), "train_log.csv"))}
+                                    csv_rows(("step",), ("loss", "tokens_seen"), "train_log.csv")),
+            "search": LaunchedJob("search", search_settings(root),
+                                  jsonl_rows(("long_factor", "stage"), ("perplexity", "tokens"), "candidates.jsonl")),
+            "passkey": LaunchedJob("passkey", passkey_settings(root),
+                                   jsonl_rows(("method", "length", "depth", "trial", "seed"), ("output",)))}
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +140,10 @@ def uninterrupted_runs(launch_root):
     return run
 
 
-@pytest.mark.parametrize("target", ["launcher", "one-process"])
-@pytest.mark.parametrize("name", ["eval", "finetune"])
+@pytest.mark.parametrize("name, target", [("eval", "launcher"), ("eval", "one-process"), ("finetune", "launcher"),
+                                          ("finetune", "one-process"), ("search", "launcher"),
+                                          ("passkey", "launcher")])  # search's and passkey's one-process stops:
+# tests/jobs/test_search_processes.py and tests/eval/test_passkey_lm_eval_parallel.py
 def test_one_ctrl_c_stops_every_process_and_one_command_resumes(launch_root, uninterrupted_runs, tmp_path, name,
                                                                  target):
     """Ctrl-C at a terminal reaches the launcher, which sends SIGINT to every process; a signal may also reach one
@@ -149,7 +170,8 @@ def test_one_ctrl_c_stops_every_process_and_one_command_resumes(launch_root, uni
     assert dict(rows).keys() == dict(whole).keys()
     for key, values in whole:
         for field, value in values.items():
-            assert dict(rows)[key][field] == pytest.approx(value, rel=1e-6), (key, field)
+            expected = pytest.approx(value, rel=1e-6) if isinstance(value, float) else value  # text: exact
+            assert dict(rows)[key][field] == expected, (key, field)
 
 
 def test_each_process_runs_the_forwards_its_plan_counts(launch_root, uninterrupted_runs):

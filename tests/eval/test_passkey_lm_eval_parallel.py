@@ -251,7 +251,8 @@ def test_ctrl_c_on_one_process_stops_every_process_with_the_store_whole(workspac
     finally:
         os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
     assert launcher.returncode != 0
-    assert err.count("rope-patch passkey: interrupted") == 2, err[-3000:]  # each process stopped at a safe point
+    # each process stopped at a safe point (status 130, below); the main one alone says how to resume, once
+    assert err.count("rope-patch passkey: interrupted") == 1 and err.count("resume with:") == 1, err[-3000:]
     processes = err.split("torch/distributed/elastic")[0]  # the launcher's own report of the status 130 follows
     assert "Traceback" not in processes and "exitcode: 130" in err, err[-3000:]
     rows = stored(out)  # every line whole

@@ -138,8 +138,9 @@ def test_a_rank_killed_mid_run_resumes_without_scoring_twice(workspace, tmp_path
             os.killpg(launcher.pid, signal.SIGKILL)
     assert killed_at is not None and killed_at < 12, "the search ended before the kill: make it longer"
     assert launcher.returncode != 0
-    if stop == signal.SIGINT:  # every process stopped by itself (none killed by the launcher), one said how to resume
-        assert said.count("rope-patch search: interrupted") == 2 and "resume with:" in said, said[-3000:]
+    if stop == signal.SIGINT:  # every process stopped by itself (none killed by the launcher); the main one alone
+        # said how to resume, once
+        assert said.count("rope-patch search: interrupted") == 1 and said.count("resume with:") == 1, said[-3000:]
     before = [json.loads(line)["long_factor"] for line in store.read_text().splitlines() if line.endswith("}")]
 
     launch_job("search", settings, processes=2, timeout=TIMEOUT)
