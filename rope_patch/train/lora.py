@@ -32,16 +32,3 @@ def add_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: list[s
         ensure_weight_tying=bool(extra) and bool(getattr(model.config, "tie_word_embeddings", False)),
     )
     return get_peft_model(model, lora_config)
-
-
-def save_only_trainable_weights(accelerator) -> None:
-    """With LoRA, a checkpoint keeps only what training changes (adapters, embeddings, norms): the frozen base is
-    rebuilt from --model on resume. Sharded set-ups (FSDP, DeepSpeed) save through their own code instead."""
-
-    def keep_trainable(models, weights, output_dir):
-        for model, state in zip(models, weights):  # state: model.state_dict(), so the names match
-            trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-            for key in [k for k in state if k not in trainable]:
-                del state[key]
-
-    accelerator.register_save_state_pre_hook(keep_trainable)
