@@ -215,8 +215,8 @@ def _check_version(version: int) -> None:
         raise _Damaged(f"it is a big-endian GGUF (its version reads {version:#010x} here, "
                        f"{struct.unpack('>I', struct.pack('<I', version))[0]} byte-swapped), which llama.cpp refuses "
                        "on a little-endian machine",
-                       "convert it first: python gguf-py/gguf/scripts/gguf_convert_endian.py FILE little (llama.cpp's "
-                       "own script), then retag the converted file")
+                       "convert it first with llama.cpp's own tool, gguf-convert-endian FILE little (installed with the "
+                       "gguf package), then retag the converted file")
     if version == 1:  # gguf.cpp:511
         raise _Damaged("it is GGUF version 1, which llama.cpp no longer reads",
                        "convert it to a current GGUF with llama.cpp's tools")

@@ -181,11 +181,12 @@ def test_passkey_over_processes_gives_the_records_and_summaries_of_one(workspace
     assert summary(out) == summary(passkey_single)
 
 
-def passkey_launcher(settings: dict, processes: int) -> subprocess.Popen:
-    """accelerate launch of passkey in a session of its own (its process group gets the signals a terminal sends)."""
+def passkey_launcher(settings: dict, processes: int, job: str = "passkey") -> subprocess.Popen:
+    """accelerate launch of passkey (or ``job``) in a session of its own (its process group gets the signals a
+    terminal sends)."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines=1",
                "--dynamo_backend=no", f"--num_processes={processes}", "--mixed_precision=no",
-               f"--main_process_port={free_port()}", "--num_cpu_threads_per_process=1", "-m", "rope_patch", "passkey",
+               f"--main_process_port={free_port()}", "--num_cpu_threads_per_process=1", "-m", "rope_patch", job,
                *cli_flags(settings)]
     env = os.environ | {"PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
@@ -298,3 +299,38 @@ def test_lm_eval_over_processes_gives_the_scores_of_one(workspace, lm_eval_singl
         assert Path(ours["file"]).is_file()  # lm-eval's own results file, written by the main process
     with open(out / "summary.csv") as ours, open(lm_eval_single / "summary.csv") as oracle:
         close([dict(r) for r in csv.DictReader(ours)], [dict(r) for r in csv.DictReader(oracle)])
+
+
+def test_an_lm_eval_rank_killed_mid_run_resumes_with_nothing_rerun_or_duplicated(workspace, lm_eval_single, tmp_path,
+                                                                                 monkeypatch):
+    """SIGKILL to the second of 2 processes once the first (method, task) run is stored: the launcher ends the run;
+    the rerun (one process) evaluates exactly the runs not stored, the killed run's rows stay as written, each run is
+    stored once, and the scores are one process's."""
+    out = tmp_path / "run"
+    settings = lm_eval_options(workspace, output=str(out))
+    launcher = passkey_launcher(settings, 2, job="lm-eval")
+    try:
+        wait_for_rows(launcher, out / "results.jsonl", 1)
+        rank(launcher, 1).kill()  # SIGKILL
+        launcher.communicate(timeout=TIMEOUT)
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
+    before = (out / "results.jsonl").read_bytes()
+    kept = len(before.splitlines())
+    total = 2 * 2  # methods × tasks
+    assert launcher.returncode != 0 and 1 <= kept < total, "the kill came too late to test a resume"
+
+    from rope_patch.eval import harness
+
+    calls = []
+    real_run = harness.run_unit
+    monkeypatch.setattr(harness, "run_unit", lambda *a, **k: calls.append(1) or real_run(*a, **k))
+    run_lm_eval(**settings)
+    assert len(calls) == total - kept  # nothing stored is evaluated again
+    assert (out / "results.jsonl").read_bytes().startswith(before)  # the killed run's rows stay as written
+    spread, single = stored(out), stored(lm_eval_single)
+    keys = [(r["method"], r["task"], r["length"]) for r in spread]
+    assert len(keys) == len(set(keys)) == total  # each run once
+    by_key = {(r["method"], r["task"], r["length"]): r for r in single}
+    for ours in spread:
+        close(ours["results"], by_key[(ours["method"], ours["task"], ours["length"])]["results"])

@@ -423,7 +423,7 @@ def test_a_big_endian_file_is_refused_not_written_over_swapped_weights(tmp_path,
     source = big_endian_gguf(tmp_path / "big.gguf")
     assert retag_cli(source, tmp_path / "out") == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "big-endian" in err and "gguf_convert_endian.py" in err, err
+    assert len(err.splitlines()) == 1 and "big-endian" in err and "gguf-convert-endian FILE little" in err, err
     assert not (tmp_path / "out").exists()
 
 
