@@ -62,3 +62,22 @@ def launch_job(job: str, settings: Mapping[str, object], *, processes: int, time
     """``accelerate launch -m rope_patch JOB --option=value ...`` (see :func:`accelerate_launch`)."""
     return accelerate_launch(["-m", "rope_patch", job, *cli_flags(settings)], processes=processes, timeout=timeout,
                              **launch_options)
+
+
+def torchrun_nodes(job: str, settings: Mapping[str, object], *, nodes: int, timeout: int) -> list[tuple[str, str]]:
+    """``rope-patch JOB`` as ``nodes`` machines of one CPU process each: ``nodes`` torchrun launchers meeting at a c10d
+    rendezvous on 127.0.0.1 (the command of N machines, gloo); fails the test unless every one succeeds. Returns each
+    launcher's (stdout, stderr)."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc_per_node=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=rope-patch-test",
+               "-m", "rope_patch", job, *cli_flags(settings)]
+    environment = os.environ | {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    launched = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                 env=environment) for _ in range(nodes)]
+    try:
+        outputs = [node.communicate(timeout=timeout) for node in launched]
+    finally:
+        for node in launched:
+            node.kill()  # a no-op once it ended; bounds a hung rendezvous
+    assert [node.returncode for node in launched] == [0] * nodes, "\n".join(err[-3000:] for _, err in outputs)
+    return outputs

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cpu_launch import ROOT, cli_flags, free_port, launch_job
+from cpu_launch import ROOT, cli_flags, free_port, launch_job, torchrun_nodes
 from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
 from rope_patch.eval import passkey as pk
@@ -100,18 +100,7 @@ def launch(job: str, launcher: str, processes: int, settings: dict) -> None:
     if launcher == "accelerate":
         launch_job(job, settings, processes=processes, timeout=TIMEOUT)
         return
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={processes}", "--nproc_per_node=1",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=rope-patch-test",
-               "-m", "rope_patch", job, *cli_flags(settings)]
-    env = os.environ | {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-             for _ in range(processes)]
-    try:
-        outputs = [node.communicate(timeout=TIMEOUT) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()  # a no-op once it ended; bounds a hung rendezvous
-    assert [node.returncode for node in nodes] == [0] * processes, "\n".join(err[-3000:] for _, err in outputs)
+    torchrun_nodes(job, settings, nodes=processes, timeout=TIMEOUT)
 
 
 def stored(folder: Path) -> list[dict]:

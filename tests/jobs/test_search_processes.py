@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cpu_launch import ROOT, cli_flags, free_port, launch_job
+from cpu_launch import ROOT, cli_flags, free_port, launch_job, torchrun_nodes
 from tiny_models import NATIVE, write_search_workspace
 
 TIMEOUT = 300
@@ -68,19 +68,7 @@ def test_processes_give_the_search_of_one_process(workspace, tmp_path, single, p
 
 def test_two_machines_give_the_search_of_one_process(workspace, tmp_path, single):
     """Two torchrun launchers with a c10d rendezvous on 127.0.0.1, one process each: the 2 nodes x N GPUs command."""
-    port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=rope-patch-search-test", "-m", "rope_patch", "search",
-               *cli_flags(options(workspace, tmp_path / "run"))]
-    environment = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(command + [], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                              env=environment | {"NODE_RANK": str(rank)}) for rank in range(2)]
-    try:
-        outputs = [node.communicate(timeout=TIMEOUT) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()  # a no-op once it ended; bounds a hung rendezvous
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-2000:] for _, err in outputs)
+    torchrun_nodes("search", options(workspace, tmp_path / "run"), nodes=2, timeout=TIMEOUT)
     assert outcome(tmp_path / "run") == single
 
 

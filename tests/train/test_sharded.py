@@ -10,9 +10,6 @@ op the first time it starts on a machine (gcc and ninja; minutes on a busy machi
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rope_patch.jobs.finetune import finetune
-from cpu_launch import ROOT, cli_flags, free_port, launch_job
+from cpu_launch import ROOT, launch_job, torchrun_nodes
 from tiny_models import write_training_workspace
 
 PROBE = torch.arange(4, 4 + 120).remainder(100).unsqueeze(0) + 4  # (1, 120) token ids past the native length 64
@@ -119,18 +116,6 @@ def test_sequence_parallel_on_sharded_weights_trains_like_one_process(workspace,
 def test_two_machines_train_like_one_process(workspace, tmp_path, single):
     """Two torchrun launchers with a c10d rendezvous on 127.0.0.1, one process each: the 2 nodes x N GPUs command."""
     full, _ = single
-    port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=rope-patch-test", "-m", "rope_patch", "finetune",
-               *cli_flags(options(workspace, tmp_path / "run"))]
-    env = os.environ | {"ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # DDP: gloo
-    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-             for _ in range(2)]
-    try:
-        outputs = [node.communicate(timeout=TIMEOUT) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()  # a no-op once it ended; bounds a hung rendezvous
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-2000:] for _, err in outputs)
+    outputs = torchrun_nodes("finetune", options(workspace, tmp_path / "run"), nodes=2, timeout=TIMEOUT)  # DDP: gloo
     assert any("global batch 2 x 96 tokens; DDP over 2 processes" in out for out, _ in outputs)
     assert_same(full.model.state_dict(), load_file(tmp_path / "run" / "model.safetensors"))
