@@ -116,7 +116,7 @@ def test_one_process_is_refused_with_the_launch_command(workspace):
 
 
 @pytest.mark.parametrize("job, reason", [("passkey", "KV cache"), ("lm-eval", "its own forward loop"),
-                                         ("search", "in one process")])
+                                         ("search", "deals whole candidates to processes")])
 def test_other_jobs_refuse_sequence_parallel_with_the_reason(job, reason, capsys):
     required = ["--tasks", "niah_single_1"] if job == "lm-eval" else []  # lm-eval's one required option
     assert main([job, *required, "--sequence-parallel", "2"]) == 2
