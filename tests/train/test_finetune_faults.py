@@ -81,7 +81,7 @@ def full_disk(workspace, reference, tmp_path_factory) -> dict[str, dict]:
         ["fill", "fill", final // 3 + slack],
         ["cli", argv(workspace, "{mount}/none")],
         ["remove", "fill"],
-        # the log: no room at all
+        # no room at all: the first write (the folder's job marker) fails
         ["fill", "fill", 0],
         ["cli", argv(workspace, "{mount}/log")],
         ["remove", "fill"],
@@ -134,9 +134,11 @@ def test_a_full_disk_at_the_first_checkpoint_says_to_run_the_same_command_again(
     assert full_disk["first_again"]["code"] == 0, full_disk["first_again"]["stderr"][-3000:]
 
 
-def test_a_full_disk_at_the_log_is_one_line(full_disk):
+def test_a_full_disk_at_the_first_write_is_one_line(full_disk):
+    """No room at all: the run's first write, the folder's job marker (written with the lock, before the training
+    log), fails, in one line naming that file and the space it needs."""
     line = last_line(full_disk["log_full"])
-    assert "no space left" in line and "train_log.csv" in line
+    assert "no space left" in line and ".rope-patch.job" in line and "bytes needed" in line
 
 
 def test_a_refusal_under_accelerate_launch_is_one_line_from_every_process(workspace, tmp_path):
