@@ -15,7 +15,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+# Launches cost tens of seconds each on a 2-core machine (every process imports torch): make test runs each launched
+# capability once, on 2 processes, and make test-slow its variants (4 processes, 2 machines, other ranks killed).
+LAUNCH_VARIANT = pytest.mark.slow
 
 
 def free_port() -> int:

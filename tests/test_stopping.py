@@ -62,6 +62,7 @@ import json  # noqa: E402  (the multi-process part of this file)
 import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from cpu_launch import LAUNCH_VARIANT  # noqa: E402
 from launched_interrupt import LaunchedJob, csv_rows, job_args, jsonl_rows, launch  # noqa: E402
 from tiny_models import make_char_tokenizer  # noqa: E402
 
@@ -140,9 +141,10 @@ def uninterrupted_runs(launch_root):
     return run
 
 
-@pytest.mark.parametrize("name, target", [("eval", "launcher"), ("eval", "one-process"), ("finetune", "launcher"),
-                                          ("finetune", "one-process"), ("search", "launcher"),
-                                          ("passkey", "launcher")])  # search's and passkey's one-process stops:
+@pytest.mark.parametrize("name, target", [("eval", "launcher")] + [
+    pytest.param(name, target, marks=LAUNCH_VARIANT) for name, target in [
+        ("eval", "one-process"), ("finetune", "launcher"), ("finetune", "one-process"), ("search", "launcher"),
+        ("passkey", "launcher")]])  # search's and passkey's one-process stops:
 # tests/jobs/test_search_processes.py and tests/eval/test_passkey_lm_eval_parallel.py
 def test_one_ctrl_c_stops_every_process_and_one_command_resumes(launch_root, uninterrupted_runs, tmp_path, name,
                                                                  target):

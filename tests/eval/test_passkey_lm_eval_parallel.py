@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cpu_launch import ROOT, cli_flags, free_port, launch_job, torchrun_nodes
+from cpu_launch import LAUNCH_VARIANT, ROOT, cli_flags, free_port, launch_job, torchrun_nodes
 from tiny_models import build_model, make_char_tokenizer, tiny_llama_config
 
 from rope_patch.eval import passkey as pk
@@ -32,8 +32,9 @@ from rope_patch.jobs import run_lm_eval, run_passkey
 TIMEOUT = 600  # a launch on this shared 2-core machine: ~20 s alone, minutes under load
 PASSKEY = dict(method=["none", "yarn:factor=2", "dynamic_ntk:factor=4"], lengths=[250, 270], depths=[0.0, 1.0],
                trials=2, max_new_tokens=3, dtype="fp32", progress=False)  # 24 trials, 6 per process of 4
-LAUNCHERS = [pytest.param("accelerate", 2, id="2-processes"), pytest.param("accelerate", 4, id="4-processes"),
-             pytest.param("torchrun", 2, id="2-nodes")]
+LAUNCHERS = [pytest.param("accelerate", 2, id="2-processes"),
+             pytest.param("accelerate", 4, id="4-processes", marks=LAUNCH_VARIANT),
+             pytest.param("torchrun", 2, id="2-nodes", marks=LAUNCH_VARIANT)]
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +196,7 @@ def wait_for_rows(launcher: subprocess.Popen, results: Path, rows: int) -> None:
 LONG = dict(PASSKEY, lengths=[250, 270, 300], depths=[0.0, 0.5, 1.0], trials=3, max_new_tokens=24)  # 81 trials
 
 
+@LAUNCH_VARIANT
 def test_a_rank_killed_mid_run_resumes_with_nothing_rescored_or_duplicated(workspace, tmp_path, monkeypatch):
     """SIGKILL to the second of 2 processes once 4 trials are stored: the launcher ends the run; the rerun (here, one
     process) answers exactly the trials not stored, and the store then holds each trial once, as one process's."""
@@ -227,6 +229,7 @@ def test_a_rank_killed_mid_run_resumes_with_nothing_rescored_or_duplicated(works
     assert as_text(resumed.records) == as_text(single.records)
 
 
+@LAUNCH_VARIANT
 def test_ctrl_c_on_one_process_stops_every_process_with_the_store_whole(workspace, tmp_path):
     """SIGINT to the second of 2 processes only, once trials are stored: it stops at its next layer or at the end
     of its trial, and the round's gather tells the first, which stops too (status 130 and "interrupted" on each, no
@@ -290,6 +293,7 @@ def test_lm_eval_over_processes_gives_the_scores_of_one(workspace, lm_eval_singl
         close([dict(r) for r in csv.DictReader(ours)], [dict(r) for r in csv.DictReader(oracle)])
 
 
+@LAUNCH_VARIANT
 def test_an_lm_eval_rank_killed_mid_run_resumes_with_nothing_rerun_or_duplicated(workspace, lm_eval_single, tmp_path,
                                                                                  monkeypatch):
     """SIGKILL to the second of 2 processes once the first (method, task) run is stored: the launcher ends the run;

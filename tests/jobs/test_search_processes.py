@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cpu_launch import ROOT, cli_flags, free_port, launch_job, torchrun_nodes
+from cpu_launch import LAUNCH_VARIANT, ROOT, cli_flags, free_port, launch_job, torchrun_nodes
 from tiny_models import NATIVE, write_search_workspace
 
 TIMEOUT = 300
@@ -59,13 +59,16 @@ def single(workspace, tmp_path_factory) -> dict:
     return outcome(output)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
+
+
+@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=LAUNCH_VARIANT)])
 def test_processes_give_the_search_of_one_process(workspace, tmp_path, single, processes):
     launch_job("search", options(workspace, tmp_path / "run"), processes=processes, timeout=TIMEOUT)
     assert len(single["rows"]) == 12 and len({tuple(r[0]) for r in single["rows"]}) == 12
     assert outcome(tmp_path / "run") == single
 
 
+@LAUNCH_VARIANT
 def test_two_machines_give_the_search_of_one_process(workspace, tmp_path, single):
     """Two torchrun launchers with a c10d rendezvous on 127.0.0.1, one process each: the 2 nodes x N GPUs command."""
     torchrun_nodes("search", options(workspace, tmp_path / "run"), nodes=2, timeout=TIMEOUT)
@@ -96,7 +99,8 @@ def _workers(launcher: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.parametrize("victim, stop", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGINT)],
+@pytest.mark.parametrize("victim, stop", [(1, signal.SIGKILL), pytest.param(0, signal.SIGKILL, marks=LAUNCH_VARIANT),
+                                          pytest.param(1, signal.SIGINT, marks=LAUNCH_VARIANT)],
                          ids=["kill-other-rank", "kill-main-rank", "ctrl-c-other-rank"])
 def test_a_rank_killed_mid_run_resumes_without_scoring_twice(workspace, tmp_path, single, victim, stop):
     """SIGKILL of one process, main or not, at any moment; or Ctrl-C seen by one process only (SIGINT to it), which

@@ -19,7 +19,7 @@ from rope_patch.cli import main as cli_main
 from rope_patch.errors import ConfigError, MissingExtraError
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.train.sequence_parallel import SequenceLayout, check_sequence_parallel, require_ulysses
-from cpu_launch import launch_job
+from cpu_launch import LAUNCH_VARIANT, launch_job
 from tiny_models import build_model, tiny_llama_config, write_training_workspace
 
 SEQ_LEN = 256  # four times the tiny model's native 64
@@ -54,7 +54,7 @@ def assert_same_weights(expected: dict[str, torch.Tensor], folder: Path, rel: fl
 # --- several processes: the result of one ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("processes", [2, 4], ids=["sp2", "sp2xdp2"])
+@pytest.mark.parametrize("processes", [pytest.param(2, id="sp2"), pytest.param(4, id="sp2xdp2", marks=LAUNCH_VARIANT)])
 def test_split_sequences_train_the_weights_of_one_process(workspace, tmp_path, processes):
     """2 processes: one sequence split in two. 4 processes: two replicas of that, each on its own sequence, against
     one process with batch 2 (gradients summed over each sequence's shards, averaged over replicas)."""

@@ -18,14 +18,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rope_patch.jobs.finetune import finetune
-from cpu_launch import ROOT, launch_job, torchrun_nodes
+from cpu_launch import LAUNCH_VARIANT, ROOT, launch_job, torchrun_nodes
 from tiny_models import write_training_workspace
 
 PROBE = torch.arange(4, 4 + 120).remainder(100).unsqueeze(0) + 4  # (1, 120) token ids past the native length 64
 NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="the deepspeed extra (pip install 'rope-patch[deepspeed]')")
 ENGINES = [pytest.param("fsdp", "FSDP2", id="fsdp2"),
-           pytest.param("deepspeed_zero3", "DeepSpeed ZeRO-3", id="zero3", marks=NEEDS_DEEPSPEED)]
+           pytest.param("deepspeed_zero3", "DeepSpeed ZeRO-3", id="zero3", marks=[NEEDS_DEEPSPEED, LAUNCH_VARIANT])]
 TIMEOUT = 420  # seconds per launch, DeepSpeed's first op build included
 
 
@@ -99,8 +99,8 @@ POSE = dict(pose_target_len=200, pose_chunks=3)
 
 
 @pytest.mark.parametrize("engine, name, method", [
-    pytest.param("fsdp", "FSDP2", {}, id="fsdp2-yarn"),
-    pytest.param("deepspeed_zero3", "DeepSpeed ZeRO-3", POSE, id="zero3-pose", marks=NEEDS_DEEPSPEED)])
+    pytest.param("fsdp", "FSDP2", {}, id="fsdp2-yarn", marks=LAUNCH_VARIANT),
+    pytest.param("deepspeed_zero3", "DeepSpeed ZeRO-3", POSE, id="zero3-pose", marks=[NEEDS_DEEPSPEED, LAUNCH_VARIANT])])
 def test_sequence_parallel_on_sharded_weights_trains_like_one_process(workspace, tmp_path, engine, name, method):
     """4 processes: each sequence split over 2 of them (Ulysses), 2 data-parallel replicas, the weights sharded over
     all 4 (DeepSpeed's ALST combination under ZeRO-3). Dynamic methods are left to test_sequence_parallel.py's
@@ -113,6 +113,7 @@ def test_sequence_parallel_on_sharded_weights_trains_like_one_process(workspace,
     assert_same(single.model.state_dict(), load_file(tmp_path / "run" / "model.safetensors"))
 
 
+@LAUNCH_VARIANT
 def test_two_machines_train_like_one_process(workspace, tmp_path, single):
     """Two torchrun launchers with a c10d rendezvous on 127.0.0.1, one process each: the 2 nodes x N GPUs command."""
     full, _ = single
