@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError, DataError, MissingExtraError
 from ..hub import lm_eval_quietly
+from ..methods import brief_label
 from ..patching import native_length, patch_state, primary_rotary
 from ..stopping import CONTROL
 from .plots import file_stem
@@ -311,7 +312,7 @@ def evaluate_harness(
             with engine.serving(entry, windows) as lm_for:
                 for key, window in zip(missing, windows):
                     unit = HarnessUnit(key["task"], key["length"])
-                    bar.set_postfix_str(f"{entry.label} {unit.task}" + (f" @ {unit.length}" if unit.length else ""))
+                    bar.set_postfix_str(f"{brief_label(entry.label)} {unit.task}" + (f" @ {unit.length}" if unit.length else ""))
                     start = time.perf_counter()
                     try:
                         run, path = run_unit(lm_for(window, batch_size), entry, unit, catalog, metadata=metadata,

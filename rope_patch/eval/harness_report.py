@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
+from ..methods import brief_label
 from .plots import (drawable, left_out_note, length_axis, new_figure, nothing_to_draw, run_title, save_figure,
-                    write_csv)
+                    set_figure_title, set_title, write_csv)
 
 SUMMARY_FIELDS = ("method", "task", "metric", "length", "value", "stderr", "samples", "max_length", "difference_to_none")
 REFERENCE = "none"  # the short-context cost is the score difference to this method on the same task, metric, length
@@ -133,11 +134,11 @@ def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
         for i, method in enumerate(dict.fromkeys(r["method"] for r in cell)):
             points = sorted((r["length"], r["value"]) for r in cell if r["method"] == method)
             ax.plot(*zip(*points), marker="osD^vP*X"[i % 8], fillstyle="none", markersize=max(4, 11 - 2 * i),
-                    linewidth=1.2, label=method)
+                    linewidth=1.2, label=brief_label(method))
         length_axis(ax, [r["length"] for r in cell], native_length=native_length)
         if cell and all(0 <= r["value"] <= 1 for r in cell):  # accuracies and RULER scores: the whole range
             ax.set_ylim(-0.05, 1.05)
-        ax.set_title(f"{task} · {metric}", fontsize=9)
+        set_title(ax, f"{task} · {metric}")
         ax.grid(alpha=0.3)
         if cell:
             ax.legend(fontsize=7)
@@ -146,9 +147,7 @@ def plot_score_vs_length(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
     left_out_note(fig, path, left_out, "not a finite score")
     for ax in axes[len(panels):]:
         ax.set_visible(False)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    set_figure_title(fig, title)
     return save_figure(fig, path)
 
 

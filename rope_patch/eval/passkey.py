@@ -34,6 +34,7 @@ from transformers import GenerationConfig
 from ..data import resolve_bos
 from ..errors import ConfigError, DataError
 from ..hub import generation_reminder_silenced
+from ..methods import brief_label
 from ..patching import forget_lengths_seen, input_device
 from ..stopping import CONTROL, JobInterrupted
 from .store import ResultStore
@@ -258,7 +259,7 @@ def evaluate_passkey(
         for unit, result in deal_trials(missing, trial, accelerator):
             record = sweep.finish(entry.label, unit, result)
             bar.update(1)
-            bar.set_postfix_str(f"{entry.label} {unit['length']} tokens: {'ok' if record['correct'] else 'miss'}")
+            bar.set_postfix_str(f"{brief_label(entry.label)} {unit['length']} tokens: {'ok' if record['correct'] else 'miss'}")
 
     records = sweep.run(units, work)
     bar.close()

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
+from ..methods import brief_label
 from .plots import (cell_text_colour, file_stem, length_axis, new_figure, run_title, save_figure, series_style,
-                    write_csv)
+                    set_figure_title, set_title, write_csv)
 
 CELL_FIELDS = ("method", "length", "depth", "trials", "correct", "accuracy", "difference_to_none")
 REFERENCE = "none"  # the short-context cost is the accuracy difference to this method on the same prompts
@@ -140,7 +141,7 @@ def _draw_heatmap(ax, records: Sequence[dict], method: str):
     ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], rotation=90 if len(lengths) > 6 else 0, fontsize=8)
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
     ax.set_xlabel("prompt length (tokens)")
-    ax.set_title(method, fontsize=9)
+    set_title(ax, brief_label(method))
     return image
 
 
@@ -155,8 +156,7 @@ def plot_heatmaps(records: Sequence[dict], path: str | Path, methods: Sequence[s
         image = _draw_heatmap(ax, records, method)
     axes[0].set_ylabel("key depth (0 = start)")
     fig.colorbar(image, ax=axes, label="passkey accuracy", fraction=0.04)
-    if title:
-        fig.suptitle(title, fontsize=9, y=1.02)
+    set_figure_title(fig, title)
     return save_figure(fig, path)
 
 
@@ -176,14 +176,14 @@ def plot_accuracy_vs_length(records: Sequence[dict], path: str | Path, *, native
         style = series_style(i)
         if len(row) < 3:
             style["linestyle"] = "none"
-        ax.plot(x, y, fillstyle="none", markersize=7, markeredgewidth=1.5, linewidth=1.2, label=method, **style)
+        ax.plot(x, y, fillstyle="none", markersize=7, markeredgewidth=1.5, linewidth=1.2, label=brief_label(method), **style)
         for xi, yi, (c, t) in zip(x, y, row.values()):
             ax.annotate(f"{c}/{t}", (xi, yi), textcoords="offset points", xytext=(0, 7 if i % 2 == 0 else -12),
                         ha="center", fontsize=7)
     length_axis(ax, [r["length"] for r in records], native_length=native_length, label="prompt length (tokens)")
     ax.set_ylabel("passkey accuracy (found/trials at each point)")
     ax.set_ylim(-0.12, 1.12)
-    ax.set_title(title, fontsize=9)
+    set_title(ax, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)

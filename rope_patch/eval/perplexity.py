@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data import TokenizedDocument
+from ..methods import brief_label
 from ..patching import fixed_length, forget_lengths_seen, input_device
 from ..stopping import CONTROL
 from .store import ResultStore
@@ -137,7 +138,7 @@ class _Sweep:
         forward the length is reported as failed and the sweep goes on (the shorter lengths it served are planned
         again by the caller)."""
         label, length = plan.entry.label, plan.length
-        bar.set_postfix_str(f"{label} @ {length}")
+        bar.set_postfix_str(f"{brief_label(label)} @ {length}")  # a searched longrope label is 700 characters
         tokens_before, size = bar.n, self.batch_size
         while True:
             pending = [(w, serves) for w, serves in zip(plan.windows, plan.serves)

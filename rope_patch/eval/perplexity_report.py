@@ -19,8 +19,9 @@ from ..errors import DataError
 from .perplexity import EvalFailure
 from .windows import bootstrap_interval, describe_protocol, perplexity
 from ..files import atomic_write
+from ..methods import brief_label
 from .plots import (drawable, left_out_note, length_axis, log_value_axis, new_figure, nothing_to_draw, run_title,
-                    save_figure, series_style, write_csv)
+                    save_figure, series_style, set_title, write_csv)
 from .sweep import MethodEntry
 
 SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
@@ -96,6 +97,13 @@ def summarize(
 def _protocol_of(rows: Sequence[Mapping[str, Any]]) -> str:
     first = rows[0] if rows else {"protocol": "truncate", "stride": None, "bos": False}
     return describe_protocol(first["protocol"], first["stride"], first["bos"])
+
+
+def _protocol_brief(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The protocol as a figure's title names it (``--protocol``'s value, the stride, BOS): the files say it in full."""
+    first = rows[0] if rows else {"protocol": "truncate", "stride": None, "bos": False}
+    stride = f" (stride {first['stride']})" if first["protocol"] == "sliding" else ""
+    return f"{first['protocol']}{stride}, {'BOS prepended' if first['bos'] else 'no BOS'}"
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -186,7 +194,7 @@ def plot_perplexity(rows: Sequence[Mapping[str, Any]], path: str | Path, *, nati
             continue
         x = [r["length"] for r in cell]
         y = [r["perplexity"] for r in cell]
-        line, = ax.plot(x, y, label=method, markerfacecolor="none", **series_style(index))
+        line, = ax.plot(x, y, label=brief_label(method), markerfacecolor="none", **series_style(index))
         shown += y
         band = [r for r in cell if drawable(r["ci_low"], log=True) and drawable(r["ci_high"], log=True)]
         if any(r["documents"] > 1 for r in band):
@@ -199,7 +207,7 @@ def plot_perplexity(rows: Sequence[Mapping[str, Any]], path: str | Path, *, nati
         nothing_to_draw(ax, "no finite perplexity")
     left_out_note(fig, path, left_out, "not a finite perplexity")
     ax.set_ylabel("perplexity")
-    ax.set_title(title, fontsize=9)
+    set_title(ax, title)
     ax.grid(alpha=0.3, which="both")
     if shown:
         ax.legend(fontsize=8)
@@ -219,15 +227,16 @@ def plot_position_loss(records: Sequence[Mapping[str, Any]], length: int, path: 
     base = position_loss(records, reference, length)[1] if reference else 0.0
     for index, method in enumerate(m for m in methods if m != reference):
         x, y = position_loss(records, method, length)
-        ax.plot(x, y - base, label=method, linewidth=1.2, linestyle=series_style(index)["linestyle"])
+        ax.plot(x, y - base, label=brief_label(method), linewidth=1.2, linestyle=series_style(index)["linestyle"])
     if reference:
-        ax.axhline(0, color="black", linewidth=0.8, label=reference)
+        ax.axhline(0, color="black", linewidth=0.8, label=brief_label(reference))
     if native_length and native_length < length:  # beyond the window, the line would stretch the axis past the data
         ax.axvline(native_length, color="grey", linestyle="--", linewidth=1, label=f"native length {native_length:,}")
     ax.set_xlim(0, length)  # the window's positions, whatever the native length
     ax.set_xlabel(f"position in the {length:,}-token window")
-    ax.set_ylabel(f"mean loss − {reference}'s (nats per token)" if reference else "mean loss (nats per token)")
-    ax.set_title(title, fontsize=9)
+    ax.set_ylabel(f"mean loss − {brief_label(reference)}'s (nats per token)" if reference
+                  else "mean loss (nats per token)")
+    set_title(ax, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
@@ -244,17 +253,21 @@ def position_reference(rows: Sequence[Mapping[str, Any]], length: int) -> str | 
 
 def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]], output_dir: str | Path, *,
                   settings: Mapping[str, Any] | None = None, native_length: int | None = None) -> dict[str, Path]:
-    """summary.csv, summary.json, perplexity.png and position_loss.png (at the longest length evaluated)."""
+    """summary.csv, summary.json, perplexity.png and position_loss.png (at the longest length evaluated), each
+    figure titled with what it shows, on which documents, how scored, the model and the run."""
     out = Path(output_dir)
-    title = run_title(f"perplexity on {(settings or {}).get('data', 'the documents')}, {_protocol_of(rows)}", settings)
+    data, protocol = (settings or {}).get("data", "the documents"), _protocol_brief(rows)
     files = {"csv": write_csv(rows, out / "summary.csv", SUMMARY_FIELDS),
              "json": write_json(rows, out / "summary.json", settings=settings),
-             "perplexity plot": plot_perplexity(rows, out / "perplexity.png", native_length=native_length, title=title)}
+             "perplexity plot": plot_perplexity(rows, out / "perplexity.png", native_length=native_length,
+                                                title=run_title(f"perplexity by length on {data}, {protocol}", settings))}
     done = [r["length"] for r in rows if r["status"] == "ok"]
     if done:
-        files["position plot"] = plot_position_loss(records, max(done), out / "position_loss.png",
+        longest = max(done)
+        title = run_title(f"mean loss by position in the {longest:,}-token window on {data}, {protocol}", settings)
+        files["position plot"] = plot_position_loss(records, longest, out / "position_loss.png",
                                                     native_length=native_length, title=title,
-                                                    reference=position_reference(rows, max(done)))
+                                                    reference=position_reference(rows, longest))
     return files
 
 

@@ -1,7 +1,10 @@
 """File and figure plumbing shared by every report: CSV rows, output paths, and the length axis of plots.
 
 Figures are built with matplotlib's object API (``matplotlib.figure.Figure``), never pyplot, so rope_patch changes no
-global plotting state: a notebook's backend stays as it was.
+global plotting state: a notebook's backend stays as it was. A figure is saved at the size it was made (no
+``bbox_inches="tight"``, which grew a one-line title of 230 characters into a 1864 × 529 px image with the axes in its
+middle third): titles and footnotes are wrapped to its width (``fit_text``) and the constrained layout fits the axes
+around them.
 
 A value a figure cannot show (NaN, an infinite perplexity, zero or below on a log axis) is left out of it, and the
 figure says so in a footnote, as does one line on stderr (``left_out_note``); a figure with nothing to draw says that
@@ -15,6 +18,7 @@ import hashlib
 import io
 import math
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,8 +51,9 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path, fields: Seque
 
 
 def new_figure(width: float = 7.0, height: float = 4.5, columns: int = 1, rows: int = 1) -> tuple[Figure, list]:
-    """A figure and its ``rows`` × ``columns`` axes, as one list row by row."""
-    fig = Figure(figsize=(width, height))
+    """A figure and its ``rows`` × ``columns`` axes, as one list row by row; its constrained layout sizes the axes to
+    what is around them (labels, titles, a footnote), within the figure."""
+    fig = Figure(figsize=(width, height), layout="constrained")
     axes = fig.subplots(rows, columns, squeeze=False)
     return fig, [ax for row in axes for ax in row]
 
@@ -90,13 +95,39 @@ def drawable(value: Any, *, log: bool = False) -> bool:
     return math.isfinite(value) and (not log or value > 0)
 
 
+TITLE_SIZE = 9  # points
+NOTE_SIZE = 7
+CHARACTER_WIDTH = 0.6  # a character's mean width in ems (DejaVu Sans, matplotlib's default: about 0.55 for prose)
+
+
+def fit_text(text: str, width: float, fontsize: float = TITLE_SIZE) -> str:
+    """``text`` broken at spaces into lines that fit ``width`` inches at ``fontsize`` points (a word longer than a
+    line, a run's path, is broken too); its own line breaks are kept."""
+    chars = max(16, int(width * 72 / (fontsize * CHARACTER_WIDTH)))
+    return "\n".join(textwrap.fill(line, chars, break_on_hyphens=False) or line for line in text.split("\n"))
+
+
+def set_title(ax, text: str) -> None:
+    """A panel's title, wrapped to the panel's width after the layout: its width before it (0.775 of a lone panel's
+    figure) widened by 15 %, within the figure's."""
+    width = min(1.15 * ax.get_position().width, 0.96) * ax.figure.get_figwidth()
+    ax.set_title(fit_text(text, width), fontsize=TITLE_SIZE)
+
+
+def set_figure_title(fig: Figure, text: str) -> None:
+    """A title over every panel of ``fig``, wrapped to the figure's width."""
+    if text:
+        fig.suptitle(fit_text(text, 0.96 * fig.get_figwidth()), fontsize=TITLE_SIZE)
+
+
 def left_out_note(fig: Figure, path: str | Path, left_out: Sequence[str], why: str) -> None:
-    """Say which values a figure leaves out and why: a footnote under the figure, and one line on stderr."""
+    """Say which values a figure leaves out and why: a footnote at the foot of the figure (wrapped to its width, the
+    layout makes room for it), and one line on stderr."""
     if not left_out:
         return
     shown = ", ".join(left_out[:4]) + (f" and {len(left_out) - 4} more" if len(left_out) > 4 else "")
     text = f"left out, {why}: {shown}"
-    fig.text(0.01, -0.02, text, fontsize=7, ha="left", va="top", wrap=True)
+    fig.supxlabel(fit_text(text, 0.96 * fig.get_figwidth(), NOTE_SIZE), x=0.01, ha="left", fontsize=NOTE_SIZE)
     print(f"{Path(path).name}: {text}", file=sys.stderr)
 
 
@@ -148,8 +179,11 @@ def cell_text_colour(rgba: Sequence[float]) -> str:
     return "black" if 0.2126 * red + 0.7152 * green + 0.0722 * blue > 0.179 else "white"
 
 
+DPI = 120  # a 7 × 4.5 inch figure is 840 × 540 px
+
+
 def save_figure(fig: Figure, path: str | Path) -> Path:
-    """The figure in the format its suffix names, written whole or not at all."""
+    """The figure in the format its suffix names, at the size it was made, written whole or not at all."""
     image = io.BytesIO()
-    fig.savefig(image, format=Path(path).suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
+    fig.savefig(image, format=Path(path).suffix.lstrip(".") or "png", dpi=DPI)
     return atomic_write(path, image.getvalue())

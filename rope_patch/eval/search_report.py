@@ -1,4 +1,5 @@
-"""The search's report: the held-out table, the factors against PI's, NTK's and YaRN's, and the fitness curve."""
+"""The search's report: the held-out table, the factors against PI's, NTK's and YaRN's, and the fitness curve, each
+figure titled with what it shows and its y axis named by the search's objective."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from ..methods.evolution import SearchTrace
 from ..files import atomic_write
-from .plots import drawable, left_out_note, new_figure, save_figure, write_csv
+from .plots import drawable, left_out_note, new_figure, run_title, save_figure, set_title, write_csv
 
+FITNESS = {"perplexity": "perplexity", "needle": "answer perplexity (needle documents)"}  # what each objective scores
 TABLE_FIELDS = ("method", "heldin_perplexity", "heldout_perplexity", "documents", "tokens", "status", "spec")
 
 
@@ -46,16 +49,17 @@ def plot_factors(curves: Mapping[str, Sequence[float]], path: str | Path, *, tit
         ax.plot(np.arange(len(factors)), factors, label=name, **styles.get(name.split(" ")[0], dict(linewidth=1.2)))
     ax.set_xlabel("RoPE pair i (0: highest frequency)")
     ax.set_ylabel("rescale factor f_i")
-    ax.set_title(title, fontsize=9)
+    set_title(ax, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
 
 
 def plot_fitness(trace: SearchTrace, path: str | Path, *, references: Mapping[str, float] | None = None,
-                 title: str = "") -> Path:
-    """Every candidate's held-in perplexity in the order scored, and the best so far; a perplexity that is not finite
-    (past float64's range) is left out, and the figure says so."""
+                 title: str = "", objective: str = "perplexity") -> Path:
+    """Every candidate's held-in fitness (the ``objective``'s score, lower is better) in the order scored, on
+    whole-number candidate ticks, and the best so far; a score that is not finite (past float64's range) is left out,
+    and the figure says so."""
     fig, (ax,) = new_figure()
     values = np.array([s.fitness for s in trace.scored], dtype=np.float64)
     x = np.arange(1, len(values) + 1)
@@ -72,17 +76,19 @@ def plot_fitness(trace: SearchTrace, path: str | Path, *, references: Mapping[st
     for name, value in ((n, v) for n, v in (references or {}).items() if drawable(v)):
         ax.axhline(value, linestyle="--", linewidth=1, color="grey")
         ax.annotate(name, (x[-1], value), fontsize=7, ha="right", va="bottom")
-    ax.set_xlabel("candidates scored")
-    ax.set_ylabel("held-in perplexity")
-    ax.set_title(title, fontsize=9)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # candidate 1.5 does not exist
+    ax.set_xlabel("candidate (in the order scored)")
+    ax.set_ylabel(f"held-in {FITNESS[objective]}")
+    set_title(ax, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
 
 
 def write_reports(rows: Sequence[Mapping[str, Any]], trace: SearchTrace, curves: Mapping[str, Sequence[float]],
-                  output: str | Path, *, settings: Mapping[str, Any], title: str) -> dict[str, Path]:
-    """heldout.csv, summary.json (settings, table, every candidate), factors.png and fitness.png."""
+                  output: str | Path, *, settings: Mapping[str, Any]) -> dict[str, Path]:
+    """heldout.csv, summary.json (settings, table, every candidate), factors.png and fitness.png, titled from
+    ``settings`` (objective, target length, factor, model, run)."""
     out = Path(output)
     summary = {"task": "longrope search", "settings": dict(settings), "stopped": trace.stopped,
                "best": {"long_factor": list(trace.best.factors), "perplexity": trace.best.fitness},
@@ -90,8 +96,14 @@ def write_reports(rows: Sequence[Mapping[str, Any]], trace: SearchTrace, curves:
                "candidates": [{"long_factor": list(s.factors), "perplexity": s.fitness, "origin": s.origin,
                                "iteration": s.iteration} for s in trace.scored]}
     summary_path = atomic_write(out / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    objective = settings.get("objective", "perplexity")
+    target = f"{settings['target_length']:,} tokens (factor {settings['factor']:g})"
     references = {r["method"]: r["heldin_perplexity"] for r in rows
                   if r.get("heldin_perplexity") is not None and r["method"] != "searched"}
     return {"table": write_csv(rows, out / "heldout.csv", TABLE_FIELDS), "summary": summary_path,
-            "factors plot": plot_factors(curves, out / "factors.png", title=title),
-            "fitness plot": plot_fitness(trace, out / "fitness.png", references=references, title=title)}
+            "factors plot": plot_factors(curves, out / "factors.png", title=run_title(
+                f"longrope factors found for {target} beside PI's, NTK's and YaRN's", settings)),
+            "fitness plot": plot_fitness(trace, out / "fitness.png", references=references, objective=objective,
+                                         title=run_title(f"search fitness: each candidate's held-in "
+                                                         f"{FITNESS[objective]} at {target}, and the best so far",
+                                                         settings))}

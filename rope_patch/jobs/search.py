@@ -33,7 +33,7 @@ from ..eval.windows import Protocol
 from ..eval.perplexity_report import cost_text
 from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, screened_fitness,
                                short_context_cost, transformers_snippet)
-from ..eval.search_report import format_table, write_reports
+from ..eval.search_report import FITNESS, format_table, write_reports
 from ..data.heldout import leave_out_training
 from ..files import atomic_write, output_folder
 from ..eval.rows import CANDIDATE_ROWS, PERPLEXITY_ROWS
@@ -52,7 +52,6 @@ from .configs.eval import BOS_CHOICES
 from .configs.search import SearchConfig
 
 JOB = "rope-patch search"
-FITNESS = {"perplexity": "perplexity", "needle": "answer perplexity (needle documents)"}
 COMPARED = ("linear", "ntk", "yarn", "ntk_by_parts")  # the hand-tuned methods of the held-out table
 
 
@@ -273,8 +272,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
         curves = {name: method_factors(name, base, {"factor": factor}) for name in ("linear", "ntk", "yarn")}
         curves = {"PI (linear)": curves["linear"], "NTK": curves["ntk"], "YaRN (search start)": curves["yarn"],
                   "searched": np.asarray(trace.best.factors)}
-        title = f"{loaded.label}: longrope factors for {config.target_length:,} tokens (factor {factor:g})"
-        files |= write_reports(rows, trace, curves, out, settings=settings, title=title)
+        files |= write_reports(rows, trace, curves, out, settings=settings)
     return SearchResult(trace.best, spec, snippet, rows, trace, files, table, settings, main)
 
 

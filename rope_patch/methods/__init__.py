@@ -18,10 +18,10 @@ from .registry import (
     register_method,
     resolve_params,
 )
-from .spec import check_spec_alone, frequency_and_attention, method_label, parse_method_spec
+from .spec import brief_label, check_spec_alone, frequency_and_attention, method_label, parse_method_spec
 
 __all__ = [
-    "METHODS", "Frequencies", "Method", "Param", "RopeBase", "available_methods", "check_spec_alone", "compute_frequencies",
+    "METHODS", "Frequencies", "Method", "Param", "RopeBase", "available_methods", "brief_label", "check_spec_alone", "compute_frequencies",
     "default_inv_freq", "frequency_and_attention", "get_method", "method_label", "ntk_theta", "parse_method_spec", "register_method",
     "resolve_params", "yarn_attention_factor", "yarn_mscale",
 ]

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -184,6 +185,21 @@ def method_label(name: str, params: Mapping[str, Any] | None = None) -> str:
         return str(v)
 
     return name + ":" + ",".join(f"{k}={fmt(v)}" for k, v in params.items())
+
+
+LIST = re.compile(r"\[([^\[\]]*)\]")
+
+
+def brief_label(label: str, width: int = 48) -> str:
+    """A label short enough for a progress bar or a legend: as it is up to ``width`` characters, else with each list
+    given as its length (``long_factor=[32 values]``), cut to ``width`` with ``…`` and ended by 6 hex digits of the
+    whole label's SHA-256, so that two long labels alike at the start (LongRoPE's searched factors and its start)
+    stay apart. Files and tables keep the whole label."""
+    if len(label) <= width:
+        return label
+    digest = hashlib.sha256(label.encode()).hexdigest()[:6]
+    short = LIST.sub(lambda m: f"[{m.group(1).count(',') + 1} values]", label)
+    return (short if len(short) <= width - 8 else short[:width - 9] + "…") + f" #{digest}"
 
 
 def check_spec_alone(spec: str | Mapping[str, Any]) -> None:
