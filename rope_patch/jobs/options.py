@@ -93,6 +93,11 @@ class RenamedOptionWarning(FutureWarning):
     """An option was given by an earlier name (``--num-documents``, now ``--documents``); it still works."""
 
 
+class OptionWarning(UserWarning):
+    """Options a job runs as given, though they do not do what they read as (``--warmup-steps`` at or past
+    ``--steps``: a peak learning rate never reached); one line on the command line."""
+
+
 _WARNED: set[tuple[str, str]] = set()  # (verb, old name): each rename is told once per process
 
 
