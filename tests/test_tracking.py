@@ -342,3 +342,86 @@ def test_report_to_without_an_output_folder_is_refused_before_the_model_loads(ru
     with pytest.raises(ConfigError, match="--report-to keeps the trackers' files under --output"):
         getattr(rope_patch, run)(model=str(tmp_path / "absent"), method=["none"], lengths=[64], output=None,
                                  report_to=["tensorboard"], progress=False, **options)
+
+
+# --- --report-to as people write it (issue 47.3) --------------------------------------------------------------------
+
+TRACKER_VERBS = {"eval": [], "passkey": [], "lm-eval": ["--tasks", "x"], "finetune": [], "search": []}
+
+
+@pytest.mark.parametrize("words", [["--report-to", "tensorboard,mlflow"],
+                                   ["--report-to", "tensorboard", "--report-to", "mlflow"],
+                                   ["--report-to", "tensorboard", "mlflow"],
+                                   ["--report-to=tensorboard", "--report-to", "mlflow,tensorboard", "mlflow"]],
+                         ids=["comma", "repeated", "space", "mixed"])
+def test_every_way_of_writing_several_trackers_gives_their_union(words):
+    """Comma-separated (the form --help documents), the flag repeated (before: the last one only, silently) and
+    space-separated (the Trainer's habit; before: refused) give the same trackers, on every verb that reports."""
+    from rope_patch.cli import parse_options
+
+    for verb, required in TRACKER_VERBS.items():
+        job, options = parse_options([verb, *required, *words])
+        assert job.config.from_options(**options).report_to == ["tensorboard", "mlflow"], verb
+
+
+def test_a_yaml_list_and_a_yaml_string_still_give_the_trackers(tmp_path):
+    from rope_patch.jobs.configs.eval import EvalConfig
+
+    for text in ("report_to: [tensorboard, mlflow]\n", "report_to: tensorboard,mlflow\n", "report-to: [tensorboard, "
+                 "'mlflow,tensorboard']\n"):
+        (tmp_path / "c.yaml").write_text(text)
+        assert EvalConfig.from_options(**EvalConfig.read_yaml(tmp_path / "c.yaml")).report_to == ["tensorboard",
+                                                                                                   "mlflow"]
+    assert EvalConfig(report_to=["tensorboard,mlflow"]).report_to == ["tensorboard", "mlflow"]  # Python, as typed
+
+
+@pytest.mark.parametrize("verb", list(TRACKER_VERBS))
+def test_an_unknown_tracker_is_one_line_exit_2(verb, capsys):
+    from rope_patch.cli import main
+
+    assert main([verb, *TRACKER_VERBS[verb], "--report-to", "tensorboard", "tensorbord"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rope-patch {verb}: error: --report-to 'tensorbord': choose one of none, trackio, wandb, mlflow, "
+                   "tensorboard (did you mean tensorboard?)"]
+
+
+def test_none_beside_a_tracker_is_still_refused_whatever_the_form():
+    from rope_patch.cli import parse
+
+    with pytest.raises(ConfigError, match="not both"):
+        parse(["eval", "--report-to", "none", "tensorboard"])
+
+
+@pytest.fixture(scope="module")
+def search_workspace(tmp_path_factory):
+    from tiny_models import write_search_workspace
+
+    return write_search_workspace(tmp_path_factory.mktemp("search"), documents=3, words=60)
+
+
+@needs["tensorboard"]
+def test_search_reports_each_candidate_the_best_so_far_and_the_heldout_table(search_workspace, tmp_path,
+                                                                               monkeypatch):
+    """Each candidate's fitness at its number (1, 2, ...), the running minimum beside it, and at the end the held-out
+    table; the oracle is the search's own trace and rows. A resumed search with a larger budget sends only the
+    candidates it scores: TensorBoard's files then hold each step once."""
+    import rope_patch.jobs.search as search_job
+    from tiny_models import NATIVE
+
+    monkeypatch.setattr(search_job, "write_reports", lambda *a, **k: {})  # the plots: seconds, and not tested here
+    options = dict(model=str(search_workspace / "tiny"), dataset=str(search_workspace / "corpus"),
+                   lengths=[2 * NATIVE], dtype="fp32", documents=1, method=["linear:factor=2"], population=2,
+                   parents=2, mutations=1, crossovers=0, output=str(tmp_path / "run"), progress=False,
+                   report_to=["tensorboard"])
+    first = rope_patch.run_search(candidates=2, heldout_documents=0, **options)
+    result = rope_patch.run_search(candidates=3, heldout_documents=1, **options)
+    assert [c.factors for c in result.trace.scored[:2]] == [c.factors for c in first.trace.scored]
+    scalars = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    fitness = [c.fitness for c in result.trace.scored]
+    assert scalars["fitness/candidate"] == [(i + 1, pytest.approx(f, rel=1e-6)) for i, f in enumerate(fitness)]
+    assert scalars["fitness/best"] == [(i + 1, pytest.approx(min(fitness[:i + 1]), rel=1e-6))
+                                       for i in range(len(fitness))]
+    assert {r["method"] for r in result.rows} >= {"searched", "linear:factor=2"}
+    for row in result.rows:
+        assert scalars[metric_key("heldout_perplexity", row["method"])] == [
+            (3, pytest.approx(row["heldout_perplexity"], rel=1e-6))]

@@ -26,7 +26,7 @@ from ..errors import RopePatchError
 from ..hub import progress_bars
 from ..stopping import CONTROL, INTERRUPTED_STATUS, JobInterrupted, is_main_process
 from ..jobs import JOBS, Job
-from ..jobs.options import JobConfig, RenamedOptionWarning, renamed
+from ..jobs.options import JobConfig, OptionWarning, RenamedOptionWarning, renamed
 from .arguments import add_config_arguments, usage
 
 
@@ -135,11 +135,12 @@ def with_resume(args: list[str], resume: str | None) -> list[str]:
 
 
 def _one_line_warnings(verb: str):
-    """Show a renamed option's warning as one line (``rope-patch finetune: warning: ...``), not Python's two."""
+    """Show a renamed option's warning, or an option's that runs but not as it reads, as one line (``rope-patch
+    finetune: warning: ...``), not Python's two."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, RenamedOptionWarning):
+        if issubclass(category, (RenamedOptionWarning, OptionWarning)):
             print(f"rope-patch{' ' + verb if verb else ''}: warning: {message}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)

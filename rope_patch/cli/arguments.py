@@ -66,6 +66,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config: type[JobConfig
                           help=help_text.removesuffix(")") + f"; --no-{flag(spec.name)[2:]} = off)")
         elif meta.get("repeat"):
             kwargs["action"] = "append"
+        elif meta.get("several"):  # --x a,b, --x a b and --x a --x b: every word collected, the config splits commas
+            kwargs.update(action="extend", nargs="+")  # (and checks the names: "a,b" is no argparse choice)
         elif meta.get("const") is not None:
             kwargs.update(nargs="?", const=meta["const"])
         if meta.get("choices") and "action" not in kwargs:

@@ -122,16 +122,21 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(f"shared forward: {', '.join(shared)} scored the shorter lengths as prefixes of each document's "
                      "longest forward (summary.csv: shared_forward)")
     plural = "s" if documents != 1 else ""
+    intervals = ("95% intervals in summary.csv" if documents > 1 else
+                 "no 95% interval: one document leaves nothing to resample (summary.csv: ci_low, ci_high nan)")
     lines.append(f"{_protocol_of(rows)}; {documents} document{plural} ({rows[0]['skipped']} skipped as too short); "
-                 "95% intervals in summary.csv")
+                 f"{intervals}")
     cost = short_cost_table(rows)
     return "\n".join(lines) + (f"\n\n{cost}" if cost else "")
 
 
 def cost_text(ratio: float, low: float, high: float) -> str:
-    """A perplexity ratio as a change with its interval: ``+3.6% [+3.1, +4.0]``; ``-`` where there is none."""
+    """A perplexity ratio as a change with its interval: ``+3.6% [+3.1, +4.0]``; ``-`` where there is none, and
+    ``+3.6% (no interval)`` where the ratio has no interval (one block: nothing to resample)."""
     if not np.isfinite(ratio):
         return "-"
+    if np.isnan(low) or np.isnan(high):
+        return f"{100 * (ratio - 1):+.1f}% (no interval)"
     return f"{100 * (ratio - 1):+.1f}% [{100 * (low - 1):+.1f}, {100 * (high - 1):+.1f}]"
 
 

@@ -144,8 +144,12 @@ def bootstrap_interval(
 ) -> tuple[float, float]:
     """95 % interval of the token-weighted perplexity, resampling whole documents with replacement. Where a resample's
     perplexity passes float64's range (``perplexity``), the percentiles are taken of the log-perplexities and then
-    exponentiated (inf beyond the range), never of infinities (whose interpolation is NaN)."""
+    exponentiated (inf beyond the range), never of infinities (whose interpolation is NaN). With fewer than two
+    documents there is nothing to resample, so there is no interval: ``(nan, nan)``, never a zero-width one that
+    reads as certainty."""
     nll, tokens = np.asarray(nll, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+    if len(nll) < 2:
+        return float("nan"), float("nan")
     picks = np.random.default_rng(seed).integers(0, len(nll), size=(samples, len(nll)))  # (samples, documents)
     means = nll[picks].sum(axis=1) / tokens[picks].sum(axis=1)  # (samples,) log-perplexities
     with np.errstate(over="ignore"):

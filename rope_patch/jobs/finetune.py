@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +46,10 @@ from ..train.lora import add_lora
 from ..train.loop import (TrainingProgress, enable_activation_checkpointing, forget_previous_jobs_accelerator, lr_factor,
                           train)
 from ..train.sequence_parallel import SequenceLayout, check_sequence_parallel, ulysses_attention
+from ..stopping import is_main_process
 from .preflight import check_output_writable
 from .configs.finetune import FinetuneConfig
+from .options import OptionWarning
 from .plans import Training, finetune_plan, model_shape, show_plan
 
 # Settings that change the trained weights, besides the model's and the training tokens' fingerprints, the global
@@ -76,6 +79,7 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     Ctrl-C or SIGTERM saves a checkpoint at the end of the step and raises
     ``TrainingInterrupted`` (a KeyboardInterrupt) saying how to resume."""
     config = FinetuneConfig.from_options(config, **options)
+    warn_unreached_warmup(config)
     check_output_writable(config.output, "rope-patch finetune")  # before the model loads, and the lock
     check_source(config.dataset)  # a data file that does not exist, before minutes of loading
     try:
@@ -104,6 +108,20 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
         raise
     except KeyboardInterrupt as interrupt:  # before training started (the stop was not armed): nothing new saved
         raise TrainingInterrupted(None, config.steps, None, config.resume) from interrupt
+
+
+def warn_unreached_warmup(config: FinetuneConfig) -> None:
+    """``--warmup-steps`` at or past ``--steps``: the rate still rises at the last step and ``--lr`` is never reached.
+    Told in one line (the main process), not refused: the run is well defined, and a few-step trial with the default
+    20 warm-up steps is a common smoke test."""
+    if config.warmup_steps < config.steps or not is_main_process():
+        return
+    last = lr_factor(config.steps - 1, warmup_steps=config.warmup_steps, total_steps=config.steps,
+                     schedule=config.schedule)
+    warnings.warn(f"--warmup-steps {config.warmup_steps} is not below --steps {config.steps}: the learning rate is "
+                  f"still warming up at the last step, at {100 * last:.1f}% of --lr {config.lr:g}, which it never "
+                  f"reaches; give --warmup-steps {config.steps - 1} or fewer to train at the peak", OptionWarning,
+                  stacklevel=3)
 
 
 def mixed_window(model: torch.nn.Module, config: FinetuneConfig, name: str, params: dict) -> tuple[str, dict, int]:

@@ -28,7 +28,7 @@ from ..values import NotRegularFileError, parse_bool, parse_number, read_regular
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, repeat: bool = False,
            split: bool = True, tokens: bool = False, positional: bool = False, metavar: str | None = None,
            const: Any = None, spec: bool = False, folder: bool = False, empty: bool | None = None,
-           model: bool = False, required: bool = False, aliases: tuple[str, ...] = ()) -> Any:
+           model: bool = False, required: bool = False, aliases: tuple[str, ...] = (), several: bool = False) -> Any:
     """A config field. ``repeat``: a list option given once per value on the command line (``--method A --method
     B``); ``split``: a string value of a list option is comma-separated (off for method specs, which hold commas);
     ``tokens``: whole numbers may be written ``16k`` (= 16,384); ``positional``: a positional command-line argument;
@@ -37,11 +37,14 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, r
     ``empty``: whether a list option may be empty (default: only where its default is); ``model``: a model name or
     folder, a local-looking path that does not exist refused before the job starts (``JobConfig.check_required``);
     ``required``: the job cannot run without it (its default, None or [], only keeps the bare config constructible);
-    ``aliases``: earlier names of the field, still read from the command line, YAML and Python with a warning."""
+    ``aliases``: earlier names of the field, still read from the command line, YAML and Python with a warning;
+    ``several``: a list of names written every way people write them, comma-separated (``--report-to a,b``),
+    space-separated (``--report-to a b``, the Trainer's habit) or by repeating the flag (``--report-to a --report-to
+    b``), a YAML list or a Python list whose items may hold commas too: the union, in order, each name once."""
     metadata = {"help": help, "choices": choices, "repeat": repeat, "split": split, "tokens": tokens,
                 "positional": positional, "metavar": metavar, "const": const, "spec": spec, "folder": folder,
                 "empty": empty if empty is not None else default == [], "model": model, "required": required,
-                "aliases": tuple(aliases)}
+                "aliases": tuple(aliases), "several": several}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -90,6 +93,11 @@ class RenamedOptionWarning(FutureWarning):
     """An option was given by an earlier name (``--num-documents``, now ``--documents``); it still works."""
 
 
+class OptionWarning(UserWarning):
+    """Options a job runs as given, though they do not do what they read as (``--warmup-steps`` at or past
+    ``--steps``: a peak learning rate never reached); one line on the command line."""
+
+
 _WARNED: set[tuple[str, str]] = set()  # (verb, old name): each rename is told once per process
 
 
@@ -134,7 +142,12 @@ def parse_value(name: str, kind: Any, value: Any, meta: Mapping[str, Any]) -> An
             value = [v.strip() for v in value.split(",") if v.strip()] if meta.get("split", True) else [value]
         elif not isinstance(value, (list, tuple)):
             value = [value]
+        if meta.get("several"):  # ["a,b", "c"] (the command line's --x a,b --x c) is [a, b, c]
+            value = [w.strip() for v in value for w in v.split(",") if w.strip()] if all(
+                isinstance(v, str) for v in value) else value  # anything else: refused below as not text
         parsed = [_parse_scalar(name, item, v, meta) for v in value]
+        if meta.get("several"):
+            parsed = list(dict.fromkeys(parsed))  # the union: each name once, in the order first given
         if not parsed and not meta.get("empty", True):
             raise ConfigError(f"{flag(name)} needs at least one value")
     elif kind in (bool, int, float, str):
@@ -144,7 +157,8 @@ def parse_value(name: str, kind: Any, value: Any, meta: Mapping[str, Any]) -> An
     choices = meta.get("choices")
     for v in parsed if isinstance(parsed, list) else [parsed]:
         if choices and v not in choices:
-            raise ConfigError(f"{flag(name)} {shown(v)}: choose one of {', '.join(map(str, choices))}")
+            hint = did_you_mean(v, map(str, choices)) if isinstance(v, str) else ""
+            raise ConfigError(f"{flag(name)} {shown(v)}: choose one of {', '.join(map(str, choices))}{hint}")
     return parsed
 
 

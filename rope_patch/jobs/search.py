@@ -45,6 +45,7 @@ from ..methods.frequency import rope_longrope
 from ..methods.evolution import Scored, SearchTrace, evolve, method_factors, yarn_factors
 from ..patching import input_device, native_length, primary_rotary, rotary_setup
 from ..stopping import CONTROL
+from ..tracking import Trackers
 from .plans import search_plan, show_plan
 from .common import LoadedModel, fast_path, settle_native_length, split_loaded
 from .preflight import check_output_writable
@@ -216,14 +217,28 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                        spread=True)
     show_plan(plan, model, JOB, progress=config.progress, main=main, processes=accelerator.num_processes,
               estimate_for=config.estimate_for)
+    trackers = stack.enter_context(Trackers(config.report_to if main else None, project="rope-patch-search",
+                                            folder=config.output, config=settings))
+    first = scorer if screen is None else screening  # the stage every candidate goes through
+    fresh: list[bool] = []  # the batch in flight: each candidate scored now (True) or read back from the store
+
+    def tracked(batch: list) -> list[float]:
+        if trackers.trackers:
+            fresh.extend(first.record(factors) is None for factors in batch)
+        return fitness(batch)
+
     bar = tqdm(total=budget, unit="candidate", desc="search", disable=not (config.progress and main),
                dynamic_ncols=True)
     best = [float("inf")]
+    number = [0]  # candidates seen, read back included: the tracker's step
 
     def scored(candidate: Scored) -> None:
         best[0] = min(best[0], candidate.fitness)
+        number[0] += 1
         bar.set_postfix_str(f"best ppl {best[0]:.3f}, last {candidate.fitness:.3f}")
         bar.update()
+        if fresh and fresh.pop(0):  # a resumed search sends only what it scores, at the candidate's own number
+            trackers.log({"fitness/candidate": candidate.fitness, "fitness/best": best[0]}, step=number[0])
 
     start = yarn_factors(base, factor)
     if floor is not None:  # YaRN's ramp ends at the same pair (β_slow = 1 turn in L), so this changes only rounding
@@ -236,7 +251,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
             settings["short_cost"] = check_short_cost(model, heldin, base, start, factor, native, protocol, config,
                                                       store=short_store, setup=setup, accelerator=accelerator)
         trace = evolve(start, upper=1 + factor, settings=evolution, seed=config.seed, candidates=budget,
-                       on_scored=scored, lower=floor, batch_fitness=fitness)
+                       on_scored=scored, lower=floor, batch_fitness=tracked)
         bar.close()
         scorers = [scorer] if screen is None else [screening, scorer]
         settings["scored"] = {"read_back": sum(x.read_back for x in scorers), "scored": sum(x.scored for x in scorers)}
@@ -261,6 +276,8 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     for row in rows:
         row["heldout_perplexity"] = row.pop("perplexity")
         row["heldin_perplexity"] = heldin_scores.get(row["method"])
+    trackers.log_rows("heldout_perplexity", rows, keys=("method",), value="heldout_perplexity",
+                      step=len(trace.scored))  # at the search's end: the last candidate's step
     snippet = transformers_snippet(model, spec)
     table = format_table(rows, target=config.target_length, heldin=settings["heldin"],
                          heldout=settings["heldout"]) if rows else ""

@@ -159,10 +159,35 @@ def test_both_protocols_match_hand_computed_references(tiny_llama, bos_id):
 def test_perplexity_is_token_weighted_with_a_document_bootstrap():
     assert perplexity(10.0, 5) == pytest.approx(math.exp(2.0))
     low, high = bootstrap_interval([2.0], [1])
-    assert low == pytest.approx(math.exp(2.0)) == pytest.approx(high)  # one document: nothing to resample
+    assert math.isnan(low) and math.isnan(high)  # one document: nothing to resample, so no interval (not a point)
     nll, tokens = [1.0 * 100, 3.0 * 10], [100, 10]
     low, high = bootstrap_interval(nll, tokens)
     assert math.exp(1.0) <= low < perplexity(sum(nll), sum(tokens)) < high <= math.exp(3.0)
+
+
+def test_one_document_has_no_interval_and_the_table_says_so():
+    """Issue 47.7: with one document every resample is that document, so the interval was a zero-width point that
+    reads as certainty; it is no interval (NaN in summary.csv), the table says why, and a short-context cost without
+    an interval says so too. Two documents keep theirs."""
+    from rope_patch.eval.perplexity_report import cost_text, format_table, summarize
+    from rope_patch.eval.sweep import MethodEntry
+
+    def records(documents: int) -> list[dict]:
+        return [{"method": "none", "length": 64, "document": f"d{i}", "nll": 100.0 + 20 * i, "tokens": 50}
+                for i in range(documents)]
+
+    (one,) = summarize(records(1), [MethodEntry("none", "none")], [64], protocol="truncate")
+    assert one["perplexity"] == pytest.approx(math.exp(2.0)) and one["documents"] == 1
+    assert math.isnan(one["ci_low"]) and math.isnan(one["ci_high"])
+    assert format_table([one]).splitlines()[-1].endswith(
+        "1 document (0 skipped as too short); no 95% interval: one document leaves nothing to resample "
+        "(summary.csv: ci_low, ci_high nan)")
+    (two,) = summarize(records(2), [MethodEntry("none", "none")], [64], protocol="truncate")
+    assert two["ci_low"] < two["perplexity"] < two["ci_high"]
+    assert format_table([two]).splitlines()[-1].endswith("2 documents (0 skipped as too short); 95% intervals in "
+                                                         "summary.csv")
+    assert cost_text(1.036, math.nan, math.nan) == "+3.6% (no interval)"
+    assert cost_text(1.036, 1.031, 1.040) == "+3.6% [+3.1, +4.0]"
 
 
 # ----------------------------------------------------------------------------------------------- processes, resuming

@@ -56,6 +56,29 @@ def test_lr_warms_up_from_a_tenth_then_follows_the_schedule():
     assert lr_factor(100, warmup_steps=20, total_steps=100, schedule="linear") == pytest.approx(0.0)
 
 
+def test_warmup_past_the_last_step_is_told_in_one_line_before_anything_loads(tmp_path, capsys):
+    """Issue 47.7: --warmup-steps 20 (the default) with --steps 4 trains at most at 23.5 % of --lr (lr_factor of the
+    last step, 0.1 + 0.9 x 3/20): one warning line naming both options, the share and the fix, before the model loads
+    (here the data set does not exist, so the job stops right after); none when the peak is reached."""
+    from rope_patch.jobs.options import OptionWarning
+
+    missing = str(tmp_path / "absent")
+    assert lr_factor(3, warmup_steps=20, total_steps=4, schedule="constant") == pytest.approx(0.235)
+    with pytest.warns(OptionWarning, match=r"^--warmup-steps 20 is not below --steps 4: .* at 23\.5% of --lr 2e-05, "
+                      r"which it never reaches; give --warmup-steps 3 or fewer"):
+        with pytest.raises(DataError):
+            finetune(dataset=missing, steps=4, lr=2e-5, output=str(tmp_path / "out"))
+    assert cli_main(["finetune", "--dataset", missing, "--steps", "4", "--warmup-steps", "4", "--output",
+                     str(tmp_path / "out")]) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith("rope-patch finetune: warning: --warmup-steps 4 is not below --steps 4: the learning "
+                              "rate is still warming up at the last step, at 77.5% of --lr")
+    assert error.startswith("rope-patch finetune: error:")
+    assert cli_main(["finetune", "--dataset", missing, "--steps", "4", "--warmup-steps", "3", "--output",
+                     str(tmp_path / "out")]) == 2
+    assert "warning" not in capsys.readouterr().err  # step 3 runs at the peak
+
+
 def test_documents_are_joined_by_eos_and_cut_into_exact_sequences():
     docs = [TokenizedDocument("a", np.array([5, 6, 7], np.int32)), TokenizedDocument("b", np.array([8, 9], np.int32))]
     packed = PackedSequences.from_documents(docs, eos_id=2, bos_id=1, seq_len=3)

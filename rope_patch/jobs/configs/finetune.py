@@ -100,9 +100,10 @@ class FinetuneConfig(JobConfig):
                                    metavar="N", aliases=("num_documents",))
     exclude_documents: list[str] = option([], "document ids kept out of training, e.g. those an evaluation will score "
                                               "(comma-separated)", metavar="IDS")
-    report_to: list[str] = report_to_option("send loss, learning rate and tokens/s to experiment trackers, "
-                                            "comma-separated: trackio, wandb, mlflow, tensorboard, or none (their "
-                                            "files under --output; pip install 'rope-patch[trackers]')")
+    report_to: list[str] = report_to_option("send loss, learning rate and tokens/s to experiment trackers: trackio, "
+                                            "wandb, mlflow, tensorboard, or none; several comma-separated, "
+                                            "space-separated or with the flag repeated (their files under --output; "
+                                            "pip install 'rope-patch[trackers]')")
     progress: bool = progress_option()
     estimate_for: str | None = estimate_for_option()
 

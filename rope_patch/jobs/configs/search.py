@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from ...errors import ConfigError
 from ..options import option
 from .eval import BOS_CHOICES, EVAL_SPLIT_HELP
-from .sweep import SweepConfig
+from .sweep import SweepConfig, report_to_option
 
 
 @dataclass
@@ -74,6 +74,11 @@ class SearchConfig(SweepConfig):
     screen_keep: float = option(0.25, "share of each iteration's candidates the screen promotes to the full fitness "
                                       "(at least one)")
     loss_chunk: int = option(1024, "tokens per slice through the output head")
+    report_to: list[str] = report_to_option("send each candidate's fitness and the best so far (step: the candidate's "
+                                            "number), then the held-out table, to experiment trackers: trackio, "
+                                            "wandb, mlflow, tensorboard, or none; several comma-separated, "
+                                            "space-separated or with the flag repeated (their files under --output; "
+                                            "pip install 'rope-patch[trackers]')")
     output: str | None = option("runs/search", "folder for candidates.jsonl (resumable), best_method.json, "
                                                "transformers_config.json, the table and plots, relative to the current folder (none "
                                                "with output=None)",

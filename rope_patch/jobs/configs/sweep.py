@@ -46,14 +46,15 @@ def model_option(help: str = MODEL_HELP, **kwargs: Any) -> Any:
     return option(None, help, model=True, **kwargs)
 
 
-REPORT_TO_HELP = ("send the run's figures to experiment trackers, comma-separated: trackio, wandb, mlflow, "
-                  "tensorboard, or none (their files under --output; pip install 'rope-patch[trackers]')")
+REPORT_TO_HELP = ("send the run's figures to experiment trackers: trackio, wandb, mlflow, tensorboard, or none; "
+                  "several comma-separated, space-separated or with the flag repeated (their files under --output; "
+                  "pip install 'rope-patch[trackers]')")
 
 
 def report_to_option(help: str = REPORT_TO_HELP) -> Any:
     """``--report-to``: the trackers a job reports to (accelerate's), the same option on finetune and every
     evaluation."""
-    return option(["none"], help, choices=REPORT_TO, metavar="TRACKERS")
+    return option(["none"], help, choices=REPORT_TO, metavar="TRACKER", several=True)
 
 
 ESTIMATE_FOR_HELP = ("also estimate the run's time on DEVICE[xN] (N devices, one process each), e.g. h100x8, h200, "
