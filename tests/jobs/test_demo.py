@@ -14,6 +14,7 @@ from rope_patch.jobs.demo import run_demo
 from rope_patch.jobs.demo_plan import (
     LENGTH_STEP,
     PLANS,
+    REPORT_SECONDS,
     SETUP_SECONDS,
     ForwardCost,
     estimate,
@@ -33,13 +34,13 @@ def slower(cost: ForwardCost, times: float) -> ForwardCost:
 
 def test_an_estimate_is_its_forwards_closed_form():
     """minimal: four methods sharing one forward at 14,336 tokens on one document; passkey, one trial at 8,192 and
-    one at 16,384, each its prompt forward and 8 new tokens; plus what was spent and the set-up."""
+    one at 16,384, each its prompt forward and 8 new tokens; plus what was spent, the set-up and the reports."""
     a, b, c = 1e-3, 1e-7, 0.5
     minimal = next(p for p in PLANS if p.name == "minimal")
     got = estimate(minimal, ForwardCost(a, b, c), NATIVE, spent=7.0)
     assert got.eval == pytest.approx(4 * (a * 14336 + b * 14336**2))
     assert got.passkey == pytest.approx(a * 8192 + b * 8192**2 + a * 16384 + b * 16384**2 + 16 * c)
-    assert got.total == pytest.approx(7.0 + SETUP_SECONDS + got.eval + got.passkey)
+    assert got.total == pytest.approx(7.0 + SETUP_SECONDS + got.eval + got.passkey + REPORT_SECONDS)
 
 
 def test_static_methods_share_one_forward_dynamic_ones_run_every_length():
