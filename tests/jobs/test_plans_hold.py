@@ -75,6 +75,7 @@ def test_eval_plans_what_the_store_lacks_and_its_bars_count_the_plan(tiny_llama,
     assert sum(values[0] for values in totals.values()) == plan.tokens
 
 
+@pytest.mark.slow  # a whole run, twice (the eval test is the fast representative)
 def test_passkey_plans_the_trials_left_and_its_bar_counts_them(monkeypatch, tmp_path):
     model, tokenizer = build_model(tiny_llama_config(max_position_embeddings=256)), make_char_tokenizer()
     options = dict(model=model, tokenizer=tokenizer, method=["none", "yarn:factor=2"], lengths=[256], depths=[0.5],
@@ -96,6 +97,7 @@ def search_workspace(tmp_path_factory) -> Path:
     return write_search_workspace(tmp_path_factory.mktemp("plans-search"), documents=4, words=60)
 
 
+@pytest.mark.slow  # a whole run, twice (the eval test is the fast representative)
 def test_search_plans_the_candidates_its_store_lacks(search_workspace, monkeypatch, tmp_path):
     options = dict(model=str(search_workspace / "tiny"), dataset=str(search_workspace / "corpus"),
                    lengths=[2 * NATIVE], dtype="fp32", documents=2, heldout_documents=1, population=4, parents=2,
@@ -118,6 +120,7 @@ def test_search_plans_the_candidates_its_store_lacks(search_workspace, monkeypat
     assert sum(1 for n in ran if n == 2 * NATIVE) >= 4 * 2 and any("resuming: 4 " in note for note in plan.notes)
 
 
+@pytest.mark.slow  # a whole run, twice (the eval test is the fast representative)
 def test_finetune_plans_each_sequence_a_mixed_window_trains(monkeypatch, tmp_path):
     """The plan's forwards are the sequences the loop trains (short and long micro-batches), and train_log.csv's
     tokens; a resumed run plans its remaining steps only."""
@@ -154,6 +157,38 @@ def test_finetune_plans_each_sequence_a_mixed_window_trains(monkeypatch, tmp_pat
     log = [line.split(",") for line in (Path(result.output) / "train_log.csv").read_text().splitlines()[1:]]
     assert int(log[-1][4]) == plan.tokens
     assert f"{ran.count(NATIVE)} of {NATIVE} tokens (mixed window)" in plan.what
+
+
+@pytest.mark.slow  # a whole run, twice (the eval test is the fast representative)
+def test_lm_eval_plans_the_runs_its_store_lacks_and_its_bar_counts_them(monkeypatch, tmp_path, capsys):
+    """lm-eval's plan is its (method, task) runs; a resumed run plans the missing ones, as many as it runs. The
+    harness itself is stood in for (its requests are its own business): what is counted is the runs."""
+    pytest.importorskip("lm_eval")
+    import rope_patch.eval.harness as harness
+    from rope_patch import run_lm_eval
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for task in ("tiny_a", "tiny_b"):
+        (tasks / f"{task}.yaml").write_text(f"task: {task}\ndataset_path: json\noutput_type: loglikelihood\n")
+    ran = []
+
+    def run_unit(lm, entry, unit, catalog, **kwargs):
+        ran.append((entry.label, unit.task))
+        return {"results": {unit.task: {"acc,none": 0.5}}}, None
+
+    monkeypatch.setattr(harness, "run_unit", run_unit)
+    options = dict(model=build_model(tiny_llama_config()), tokenizer=make_char_tokenizer(), lengths=[2 * NATIVE],
+                   include_path=str(tasks), output=str(tmp_path / "lm"), method=["none", "yarn:factor=2"])
+    run_lm_eval(**options, tasks=["tiny_a"], progress=False)
+    totals = bar_totals(monkeypatch, harness)
+    ran.clear()
+    capsys.readouterr()
+    run_lm_eval(**options, tasks=["tiny_a", "tiny_b"], progress=True)
+    plan = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rope-patch lm-eval: plan: ")]
+    assert ran == [("none", "tiny_b"), ("yarn:factor=2", "tiny_b")]
+    assert len(plan) == 1 and ": 2 run(s), 2 of 4 finished in the output folder;" in plan[0]
+    assert [values for values in totals.values()] == [[2]]
 
 
 def test_a_training_estimate_counts_the_backward_pass_and_the_optimizer():
