@@ -203,10 +203,10 @@ def passkey_units(lengths: Sequence[int], depths: Sequence[float], trials: int, 
 
 
 def _passkey_sweep(model, methods: Sequence[MethodSpec], store: ResultStore | None, setup: Mapping[str, Any] | None,
-                   max_new_tokens: int, *, writer: bool, on_finish=None) -> Sweep:
+                   max_new_tokens: int, *, writer: bool, on_finish=None, model_keys=None) -> Sweep:
     return Sweep(model, methods, UNIT_FIELDS, store=store,
                  setup={**dict(setup or {}), "max_new_tokens": int(max_new_tokens)}, job="rope-patch passkey",
-                 writer=writer, on_finish=on_finish)
+                 writer=writer, on_finish=on_finish, model_keys=model_keys)
 
 
 def _trials_left(sweep: Sweep, units: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -215,10 +215,11 @@ def _trials_left(sweep: Sweep, units: Sequence[Mapping[str, Any]]) -> list[Mappi
 
 def prompts_left(model, methods: Sequence[MethodSpec], lengths: Sequence[int], depths: Sequence[float] = (0.5,),
                  trials: int = 5, *, seed: int = 0, max_new_tokens: int = 8, store: ResultStore | None = None,
-                 setup: Mapping[str, Any] | None = None) -> list[int]:
+                 setup: Mapping[str, Any] | None = None, model_keys: Mapping[str, Any] | None = None) -> list[int]:
     """The prompt length of every trial ``evaluate_passkey`` with the same arguments would run now (those finished
-    in ``store`` left out), in order: the job's plan prints this count, and the bar's total is the same."""
-    sweep = _passkey_sweep(model, methods, store, setup, max_new_tokens, writer=False)
+    in ``store`` left out), in order: the job's plan prints this count, and the bar's total is the same.
+    ``model_keys``: ``sweep.model_setup(model)``, when the caller has it."""
+    sweep = _passkey_sweep(model, methods, store, setup, max_new_tokens, writer=False, model_keys=model_keys)
     return [int(u["length"]) for u in _trials_left(sweep, passkey_units(lengths, depths, trials, seed))]
 
 

@@ -344,12 +344,14 @@ def evaluate(
 
 def forwards_left(model: nn.Module, documents: Sequence[TokenizedDocument], methods: Sequence[MethodSpec],
                   lengths: Sequence[int], protocol: Protocol = Protocol(), *, store: ResultStore | None = None,
-                  setup: Mapping[str, Any] | None = None) -> list[tuple[int, ...]]:
+                  setup: Mapping[str, Any] | None = None, model_keys: Mapping[str, Any] | None = None
+                  ) -> list[tuple[int, ...]]:
     """The forwards ``evaluate`` with the same arguments would run now, grouped as it deals them to processes (per
     method, per forward length: one entry per window, its length): records finished in ``store`` left out, a
     method's lengths shared by one forward where its positions do not follow the length. The job's plan prints this
-    count and ``evaluate``'s bar counts the same (``_work_left``). Each method is patched in for a moment to know."""
-    keys = Sweep(model, methods, UNIT_FIELDS, store=store, setup=setup, writer=False)
+    count and ``evaluate``'s bar counts the same (``_work_left``). Each method is patched in for a moment to know.
+    ``model_keys``: ``sweep.model_setup(model)``, when the caller has it (the fingerprint reads every weight)."""
+    keys = Sweep(model, methods, UNIT_FIELDS, store=store, setup=setup, writer=False, model_keys=model_keys)
     sweep = _Sweep(model, documents, protocol, 1, 1, keys, None)
     return [tuple(p.length for _ in p.windows) for plans in _work_left(sweep, lengths).values() for p in plans]
 

@@ -23,7 +23,7 @@ from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.rows import PERPLEXITY_ROWS
 from ..eval.store import open_store
-from ..eval.sweep import method_entries, positions_follow_length
+from ..eval.sweep import method_entries, model_setup, positions_follow_length
 from ..patching import input_device, native_length
 from ..stopping import CONTROL
 from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
@@ -130,10 +130,11 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     sweeps = [(config.method, config.lengths)]
     if config.short_cost and short and not in_sweep:  # scored after the sweep, with its own bar
         sweeps.append(([REFERENCE], short))
-    left = [g for methods, lengths in sweeps
-            for g in forwards_left(model, chosen, methods, lengths, protocol, store=store, setup=setup)]
-    whole = None if store is None else [g for methods, lengths in sweeps
-                                        for g in forwards_left(model, chosen, methods, lengths, protocol, setup=setup)]
+    keys = model_setup(model)  # the model's part of the key, read once for the three counts
+    left = [g for methods, lengths in sweeps for g in forwards_left(model, chosen, methods, lengths, protocol,
+                                                                    store=store, setup=setup, model_keys=keys)]
+    whole = None if store is None else [g for methods, lengths in sweeps for g in forwards_left(
+        model, chosen, methods, lengths, protocol, setup=setup, model_keys=keys)]
     plan = eval_plan(config.method, config.lengths, lambda tokens, n: len(protocol.windows(0, tokens, n)),
                      [len(d) for d in chosen], protocol=config.protocol, shared=not positions_follow_length(model),
                      split=config.sequence_parallel if config.tp_plan is None else accelerator.num_processes,
