@@ -155,3 +155,14 @@ class MixedSequences:
     def batch(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
         """(batch_size, short or long seq_len) int64 input ids of one process's micro-batch."""
         return self.stream(step, micro, rank, ranks, grad_accum).batch(step, micro, rank, ranks, batch_size, grad_accum)
+
+
+def sequence_lengths(data: PackedSequences | MixedSequences, steps: range, ranks: int, batch_size: int,
+                     grad_accum: int, *, rank: int | None = None) -> list[int]:
+    """The tokens of every sequence the training loop reads over ``steps``, in its order (step, micro-step, process,
+    then the sequences of a micro-batch), each ``data.micro_len`` as the loop counts it; one process's (``rank``)
+    alone when given. What a fine-tune's plan counts: a mixed window's short micro-batches are shorter."""
+    chosen = range(ranks) if rank is None else (rank,)
+    return [data.micro_len(step, micro, r, ranks, grad_accum) for step in steps for micro in range(grad_accum)
+            for r in chosen for _ in range(batch_size)]
+

@@ -264,6 +264,7 @@ def evaluate_harness(
     engine: HfEngine | VllmEngine | None = None,
     on_row: Callable[[dict], None] | None = None,
     accelerator: Any = None,
+    on_plan: Callable[[int, int], None] | None = None,
 ) -> list[dict]:
     """Run lm-eval ``tasks`` on ``model`` under each method and return one record per (method, task, length).
 
@@ -277,7 +278,8 @@ def evaluate_harness(
     lm-eval's HFLM, ``harness_engines``); its name is part of the key. ``on_row(record)`` is called the moment a run
     finishes in this call (a run found finished in ``store`` is not sent). With an ``accelerator`` of several
     processes (``engine`` must then be built with it) lm-eval deals the documents of every run to them; the main
-    process writes, and every process returns every record.
+    process writes, and every process returns every record. ``on_plan(runs left, runs in all)`` is called once before
+    the first run: the job's plan, the same count the bar's total shows.
     """
     require_lm_eval()
     engine = engine or HfEngine(model, tokenizer, accelerator)
@@ -297,6 +299,9 @@ def evaluate_harness(
                   writer=main, job="rope-patch lm-eval", on_finish=on_row)
     keyed = [{"task": u.task, "length": u.length} for u in units]
     todo = sweep.missing(keyed)
+    left = sum(len(us) for _, us in todo)  # the plan's count and the bar's total
+    if on_plan is not None:
+        on_plan(left, len(sweep.entries) * len(keyed))
     if not todo:
         return sweep.records(keyed)
 
@@ -305,7 +310,7 @@ def evaluate_harness(
             folder = Path(output) / "tokenizer" if output is not None and main else Path(scratch)
             tokenizer.save_pretrained(folder)
             metadata["tokenizer"] = str(folder)
-        bar = tqdm(total=sum(len(us) for _, us in todo), desc="lm-eval", unit="run", disable=not progress or not main)
+        bar = tqdm(total=left, desc="lm-eval", unit="run", disable=not progress or not main)
 
         def work(entry: MethodEntry, missing: list[Mapping[str, Any]]) -> None:
             windows = [HarnessUnit(k["task"], k["length"]).max_length(max_length) for k in missing]

@@ -197,6 +197,33 @@ def answer(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int = 8) -> 
     return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
 
 
+def passkey_units(lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int) -> list[dict[str, Any]]:
+    """The grid's units (a trial of a cell), in the order they run."""
+    return [{"length": int(n), "depth": float(d), "trial": t, "seed": int(seed)}
+            for n in lengths for d in depths for t in range(trials)]
+
+
+def _passkey_sweep(model, methods: Sequence[MethodSpec], store: ResultStore | None, setup: Mapping[str, Any] | None,
+                   max_new_tokens: int, *, writer: bool, on_finish=None, model_keys=None) -> Sweep:
+    return Sweep(model, methods, UNIT_FIELDS, store=store,
+                 setup={**dict(setup or {}), "max_new_tokens": int(max_new_tokens)}, job="rope-patch passkey",
+                 writer=writer, on_finish=on_finish, model_keys=model_keys)
+
+
+def _trials_left(sweep: Sweep, units: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [u for _, missing in sweep.missing(units) for u in missing]
+
+
+def prompts_left(model, methods: Sequence[MethodSpec], lengths: Sequence[int], depths: Sequence[float] = (0.5,),
+                 trials: int = 5, *, seed: int = 0, max_new_tokens: int = 8, store: ResultStore | None = None,
+                 setup: Mapping[str, Any] | None = None, model_keys: Mapping[str, Any] | None = None) -> list[int]:
+    """The prompt length of every trial ``evaluate_passkey`` with the same arguments would run now (those finished
+    in ``store`` left out), in order: the job's plan prints this count, and the bar's total is the same.
+    ``model_keys``: ``sweep.model_setup(model)``, when the caller has it."""
+    sweep = _passkey_sweep(model, methods, store, setup, max_new_tokens, writer=False, model_keys=model_keys)
+    return [int(u["length"]) for u in _trials_left(sweep, passkey_units(lengths, depths, trials, seed))]
+
+
 def evaluate_passkey(
     model,
     tokenizer,
@@ -234,16 +261,14 @@ def evaluate_passkey(
                     "trials": len(cell), "accuracy": correct / len(cell)})
 
     main = accelerator is None or accelerator.is_main_process
-    sweep = Sweep(model, methods, UNIT_FIELDS, store=store,
-                  setup={**dict(setup or {}), "max_new_tokens": int(max_new_tokens)}, job="rope-patch passkey",
-                  writer=main, on_finish=cell_finished if on_row is not None else None)
+    sweep = _passkey_sweep(model, methods, store, setup, max_new_tokens, writer=main,
+                           on_finish=cell_finished if on_row is not None else None)
     builder = PromptBuilder(tokenizer)
-    units = [{"length": int(n), "depth": float(d), "trial": t, "seed": int(seed)}
-             for n in lengths for d in depths for t in range(trials)]
+    units = passkey_units(lengths, depths, trials, seed)
     for u in units:  # a too-short length fails now, not after an hour of other cells
         builder.check(u["length"], passkey_key(seed, u["length"], u["depth"], u["trial"]))
 
-    todo = sum(len(us) for _, us in sweep.missing(units))
+    todo = len(_trials_left(sweep, units))  # the plan's count (``prompts_left``)
     bar = tqdm(total=todo, desc="passkey", unit="trial", disable=not progress or not todo or not main)
 
     def trial(unit: Mapping[str, Any]) -> dict:

@@ -27,7 +27,7 @@ from ..methods import brief_label
 from ..patching import fixed_length, forget_lengths_seen, input_device
 from ..stopping import CONTROL
 from .store import ResultStore
-from .sweep import MethodEntry, MethodSpec, Sweep, positions_follow_length
+from .sweep import MethodEntry, MethodSpec, Sweep, applied, positions_follow_length
 from .window_loss import window_nll
 from .windows import Protocol, Window, perplexity
 
@@ -318,17 +318,21 @@ def evaluate(
                  writer=accelerator is None or accelerator.is_main_process, job=job,
                  on_finish=cell_finished if on_row is not None else None)
     sweep = _Sweep(model, documents, protocol, int(batch_size), int(loss_chunk), keys, accelerator, shards, job=job)
-    unshared = {e.label: sweep.plan(e, lengths, shared=False) for e in keys.entries}  # the most work there can be
-    bar = tqdm(total=sum(_tokens(plans) for plans in unshared.values()), unit="tok", unit_scale=True,
-               desc=f"eval ({protocol.name})", disable=not (progress and sweep.is_main), dynamic_ncols=True)
+    shown = progress and sweep.is_main
+    # the bar's total is the plan's count (``forwards_left``): what is still missing, each method's forwards shared
+    # or not as it will run them; it changes only when a failed forward leaves shorter lengths to another round
+    total = sum(_tokens(plans) for plans in _work_left(sweep, lengths).values()) if shown else 0
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"eval ({protocol.name})", disable=not shown,
+               dynamic_ncols=True)
 
     def work(entry: MethodEntry, _) -> None:
-        shared = protocol.name == "truncate" and not positions_follow_length(model)
-        bar.total -= _tokens(unshared[entry.label])
+        shared = _shares_forwards(model, protocol)
+        planned = True
         while True:  # a failed shared forward leaves the shorter lengths it served to the next round
             plans = sweep.plan(entry, lengths, shared=shared)
-            bar.total += _tokens(plans)
-            failures = len(sweep.failures)
+            if not planned:
+                bar.total += _tokens(plans)
+            failures, planned = len(sweep.failures), False
             for plan in plans:
                 sweep.run_plan(plan, bar)
             if not plans or len(sweep.failures) == failures:
@@ -337,6 +341,38 @@ def evaluate(
     records = keys.run([sweep.unit(n, doc) for n in lengths for doc in documents], work)
     bar.close()
     return records, sweep.failures
+
+
+def forwards_left(model: nn.Module, documents: Sequence[TokenizedDocument], methods: Sequence[MethodSpec],
+                  lengths: Sequence[int], protocol: Protocol = Protocol(), *, store: ResultStore | None = None,
+                  setup: Mapping[str, Any] | None = None, model_keys: Mapping[str, Any] | None = None
+                  ) -> list[tuple[int, ...]]:
+    """The forwards ``evaluate`` with the same arguments would run now, grouped as it deals them to processes (per
+    method, per forward length: one entry per window, its length): records finished in ``store`` left out, a
+    method's lengths shared by one forward where its positions do not follow the length. The job's plan prints this
+    count and ``evaluate``'s bar counts the same (``_work_left``). Each method is patched in for a moment to know.
+    ``model_keys``: ``sweep.model_setup(model)``, when the caller has it (the fingerprint reads every weight)."""
+    keys = Sweep(model, methods, UNIT_FIELDS, store=store, setup=setup, writer=False, model_keys=model_keys)
+    sweep = _Sweep(model, documents, protocol, 1, 1, keys, None)
+    return [tuple(p.length for _ in p.windows) for plans in _work_left(sweep, lengths).values() for p in plans]
+
+
+def _work_left(sweep: _Sweep, lengths: Sequence[int]) -> dict[str, list[ForwardPlan]]:
+    """Per method, the forwards still to run, with the method patched in as ``evaluate`` runs it (a method with
+    nothing left is not patched)."""
+    left = {}
+    for entry in sweep.keys.entries:
+        if all(sweep.is_done(entry.label, n, doc) for n in lengths for doc in sweep.documents):
+            left[entry.label] = []
+            continue
+        with applied(sweep.model, entry):
+            left[entry.label] = sweep.plan(entry, lengths, shared=_shares_forwards(sweep.model, sweep.protocol))
+    return left
+
+
+def _shares_forwards(model: nn.Module, protocol: Protocol) -> bool:
+    """Whether one truncate forward per document gives every shorter length, for the method patched in now."""
+    return protocol.name == "truncate" and not positions_follow_length(model)
 
 
 def _tokens(plans: Sequence[ForwardPlan]) -> int:

@@ -78,6 +78,11 @@ class CandidateScorer:
     def spec(self, factors: Sequence[float]) -> dict[str, Any]:
         return longrope_spec(factors, factor=self.factor, native_length=self.native_length)
 
+    def stored(self) -> int:
+        """Candidates the store holds under this scorer's key (what a resumed search reads back)."""
+        mine = record_key({"setup": self.setup}, CANDIDATE_FIELDS)[0]
+        return sum(1 for key in self.known if key[0] == mine)
+
     def record(self, factors: Sequence[float]) -> dict[str, Any] | None:
         """The stored record of a candidate, or None."""
         probe = {"setup": self.setup, "long_factor": [float(f) for f in factors]}

@@ -137,13 +137,15 @@ class Sweep:
     A unit is a dict of the fields that tell one piece of work from another within a run (``unit_fields``: a length
     and a document, a passkey cell, an lm-eval task). A record is ``{"setup", "method", **unit, **result}`` and its
     key is ``("setup", "method", *unit_fields)``; ``setup`` is what the caller gives (the settings that change the
-    numbers) plus ``model_setup``. A unit the store holds under the same key is returned as stored; the others
+    numbers) plus ``model_setup`` (``model_keys``: that, computed already for this model as it is). A unit the store
+    holds under the same key is returned as stored; the others
     are computed by ``work`` with the method patched in, once per method.
     """
 
     def __init__(self, model: nn.Module, methods: Sequence[MethodSpec], unit_fields: Sequence[str], *,
                  store: ResultStore | None = None, setup: Mapping[str, Any] | None = None, writer: bool = True,
-                 job: str = "rope-patch", on_finish: Callable[[dict], None] | None = None):
+                 job: str = "rope-patch", on_finish: Callable[[dict], None] | None = None,
+                 model_keys: Mapping[str, Any] | None = None):
         self.model = model
         self.on_finish = on_finish
         self.entries = method_entries(model, methods)
@@ -153,7 +155,7 @@ class Sweep:
                               f"{', '.join(self.key_fields)}: give this evaluation a results file of its own")
         self.store, self.job = store, job
         self.writer = writer and (store is None or store.writer)  # a store opened to read is never written
-        self.setup = {**dict(setup or {}), **model_setup(model)}
+        self.setup = {**dict(setup or {}), **(model_setup(model) if model_keys is None else model_keys)}
         self.finished: dict[tuple, dict] = store.by_key() if store is not None else {}
         if store is not None and writer:
             self._say_other_setups()

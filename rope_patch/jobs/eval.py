@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from ..data.heldout import leave_out_training
 from ..data import documents_fingerprint, load_documents, select_documents, tokenize_documents
 from ..errors import ConfigError
-from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate
+from ..eval.perplexity import KEY_FIELDS, EvalFailure, evaluate, forwards_left
 from ..eval.window_loss import check_chunked_loss
 from ..eval.perplexity_report import REFERENCE, format_table, summarize, tracker_steps, write_reports
 from ..tracking import Trackers, metric_key
@@ -23,7 +23,7 @@ from ..files import output_folder
 from ..eval.sequence_parallel import SequenceLayout, SequenceShards, check_eval_sequence_parallel, sequence_shards
 from ..eval.rows import PERPLEXITY_ROWS
 from ..eval.store import open_store
-from ..eval.sweep import method_entries, positions_follow_length
+from ..eval.sweep import method_entries, model_setup, positions_follow_length
 from ..patching import input_device, native_length
 from ..stopping import CONTROL
 from .common import LoadedModel, attention_kernel_ran, fast_path, settle_native_length, split_loaded
@@ -111,11 +111,6 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     probe = torch.as_tensor(chosen[0].ids[:64].astype(np.int64), device=input_device(model))[None]
     check_chunked_loss(model, probe if not protocol.bos else torch.cat([probe.new_full((1, 1), protocol.bos_id), probe], 1))
 
-    plan = eval_plan(config.method, config.lengths, lambda tokens, n: len(protocol.windows(0, tokens, n)),
-                     [len(d) for d in chosen], protocol=config.protocol, shared=not positions_follow_length(model),
-                     split=config.sequence_parallel if config.tp_plan is None else accelerator.num_processes)
-    show_plan(plan, model, JOB, progress=config.progress, main=accelerator.is_main_process,
-              processes=accelerator.num_processes, estimate_for=config.estimate_for)
     settings = {"model": loaded.label, "dtype": loaded.dtype, "data": config.dataset or "stdlib (embedded default corpus)",
                 "split": config.split, "text_field": config.text_field, "protocol": config.protocol,
                 "stride": protocol.effective_stride, "bos": protocol.bos, "documents": [d.id for d in chosen],
@@ -129,6 +124,23 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     with accelerator.main_process_first():  # the main process sets aside unreadable lines before the others read
         store = stack.enter_context(open_store(results, KEY_FIELDS, writer=accelerator.is_main_process, job=JOB,
                                                   rows=PERPLEXITY_ROWS))
+    # the plan counts what the sweep will run, as its bar does: what the store lacks, and the reference it adds
+    short = [n for n in config.lengths if settings["native_length"] and n <= settings["native_length"]]
+    in_sweep = REFERENCE in {e.label for e in method_entries(model, config.method)}
+    sweeps = [(config.method, config.lengths)]
+    if config.short_cost and short and not in_sweep:  # scored after the sweep, with its own bar
+        sweeps.append(([REFERENCE], short))
+    keys = model_setup(model)  # the model's part of the key, read once for the three counts
+    left = [g for methods, lengths in sweeps for g in forwards_left(model, chosen, methods, lengths, protocol,
+                                                                    store=store, setup=setup, model_keys=keys)]
+    whole = None if store is None else [g for methods, lengths in sweeps for g in forwards_left(
+        model, chosen, methods, lengths, protocol, setup=setup, model_keys=keys)]
+    plan = eval_plan(config.method, config.lengths, lambda tokens, n: len(protocol.windows(0, tokens, n)),
+                     [len(d) for d in chosen], protocol=config.protocol, shared=not positions_follow_length(model),
+                     split=config.sequence_parallel if config.tp_plan is None else accelerator.num_processes,
+                     left=left, whole=whole)
+    show_plan(plan, model, JOB, progress=config.progress, main=accelerator.is_main_process,
+              processes=accelerator.num_processes, estimate_for=config.estimate_for)
     trackers = stack.enter_context(Trackers(config.report_to if accelerator.is_main_process else None,
                                             project="rope-patch-eval", folder=config.output, config=settings))
 
@@ -146,8 +158,6 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
                                      setup=setup, accelerator=accelerator, shards=sharding, progress=config.progress,
                                      on_row=log_row)
         entries = method_entries(model, config.method)
-        in_sweep = REFERENCE in {e.label for e in entries}
-        short = [n for n in config.lengths if settings["native_length"] and n <= settings["native_length"]]
         reference = []
         if config.short_cost and short and not in_sweep:  # cheap beside the long lengths
             reference, missed = evaluate(model, chosen, [REFERENCE], short, protocol, batch_size=config.batch_size,

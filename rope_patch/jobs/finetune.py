@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
-from ..data import MixedSequences, PackedSequences
+from ..data import MixedSequences, PackedSequences, sequence_lengths
 from ..data.documents import check_source
 from ..data.heldout import write_training_manifest
 from ..errors import ConfigError, InvalidParameterError, RopePatchError
@@ -231,8 +231,15 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                             trained_parameters=sum(getattr(p, "ds_numel", None) or p.numel()
                                                    for p in model.parameters() if p.requires_grad),
                             steps=config.steps - progress.step)
+        lengths = own = None
+        if config.mixed_window:  # each micro-batch short or long, a function of its index: counted as it will run
+            lengths = sequence_lengths(data, range(progress.step, config.steps), layout.replicas, config.batch_size,
+                                       config.grad_accum)
+            own = sequence_lengths(data, range(progress.step, config.steps), layout.replicas, config.batch_size,
+                                   config.grad_accum, rank=0)
         show_plan(finetune_plan(config.steps - progress.step, sequences, config.seq_len, training=training,
-                                per_process=config.batch_size * config.grad_accum, split=layout.size),
+                                per_process=config.batch_size * config.grad_accum, split=layout.size,
+                                lengths=lengths, own=own),
                   patched if alone else None, "rope-patch finetune", progress=config.progress,  # timed in one process
                   processes=accelerator.num_processes, estimate_for=config.estimate_for,
                   shape=model_shape(patched) if config.estimate_for else None)

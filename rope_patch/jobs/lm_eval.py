@@ -107,11 +107,15 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
         engine = VllmEngine(loaded.model, loaded.tokenizer, model_folder(loaded.model, config.model), vllm_serving,
                             dtype=loaded.dtype, tensor_parallel_size=config.tensor_parallel_size,
                             data_parallel_size=config.data_parallel_size, tolerance=config.backend_tolerance)
-    if config.progress and main:  # how many requests a task makes is known inside the harness only: no estimate here
-        methods = len(method_entries(loaded.model, config.method))
-        print(f"rope-patch lm-eval: plan: {methods} method(s) x {len(config.tasks)} task(s) "
-              f"({', '.join(config.tasks)}), window {window if window else 'per max_seq_lengths'}; not timed (the "
-              "harness's bar shows each run's progress); --limit shrinks it", file=sys.stderr, flush=True)
+    methods = len(method_entries(loaded.model, config.method))
+
+    def show_plan(left: int, runs: int) -> None:  # how many requests a run makes is known inside the harness only
+        if config.progress and main:
+            resumed = f", {runs - left} of {runs} finished in the output folder" if left < runs else ""
+            print(f"rope-patch lm-eval: plan: {methods} method(s) x {len(config.tasks)} task(s) "
+                  f"({', '.join(config.tasks)}), window {window if window else 'per max_seq_lengths'}: {left} run(s)"
+                  f"{resumed}; not timed (the harness's bar shows each run's progress); --limit shrinks it",
+                  file=sys.stderr, flush=True)
     settings = {"model": loaded.label, "dtype": loaded.dtype, "backend": config.backend,
                 "methods": [e.label for e in method_entries(loaded.model, config.method)], "tasks": config.tasks,
                 "include_path": config.include_path, "max_length": window, "batch_size": config.batch_size,
@@ -132,7 +136,7 @@ def _run(config: LmEvalConfig, loaded: LoadedModel, catalog: TaskCatalog, window
                 max_length=window, batch_size=config.batch_size, limit=config.limit,
                 num_fewshot=config.num_fewshot, metadata=config.sweep_metadata(), output=config.output, store=store,
                 setup=config.setup(loaded), model_name=loaded.label, catalog=catalog, progress=config.progress,
-                engine=engine, on_row=log_row, accelerator=accelerator,
+                engine=engine, on_row=log_row, accelerator=accelerator, on_plan=show_plan,
             )
         rows = add_difference_to_reference(summarize(records), native_length(loaded.model))
         files = {}

@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 
 from ..errors import ConfigError
-from ..eval.passkey import KEY_FIELDS, evaluate_passkey
+from ..eval.passkey import KEY_FIELDS, evaluate_passkey, prompts_left
 from ..eval.passkey_report import format_table, short_cost_table, tracker_steps, write_reports
 from ..tracking import Trackers, metric_key
 from ..eval.rows import PASSKEY_ROWS
@@ -77,8 +77,11 @@ def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None,
          accelerator: Accelerator) -> PasskeyResult:
     main = accelerator.is_main_process
     methods = len(method_entries(loaded.model, config.method))
+    setup = config.setup(loaded)
+    left = prompts_left(loaded.model, config.method, config.lengths, config.depths, config.trials, seed=config.seed,
+                        max_new_tokens=config.max_new_tokens, store=store, setup=setup)
     show_plan(passkey_plan(methods, config.lengths, len(config.depths), config.trials, config.max_new_tokens,
-                           spread=True),
+                           spread=True, left=left),
               loaded.model, "rope-patch passkey", progress=config.progress, main=main,
               processes=accelerator.num_processes, estimate_for=config.estimate_for)
     settings = {"model": loaded.label, "methods": [e.label for e in method_entries(loaded.model, config.method)],
@@ -96,7 +99,7 @@ def _run(config: PasskeyConfig, loaded: LoadedModel, store: ResultStore | None,
         with fast_path(loaded.model, config.kernels, config.attention_kernel), CONTROL.stoppable(loaded.model):
             records = evaluate_passkey(loaded.model, loaded.tokenizer, config.method, config.lengths, config.depths,
                                        config.trials, seed=config.seed, max_new_tokens=config.max_new_tokens,
-                                       store=store, setup=config.setup(loaded), progress=config.progress,
+                                       store=store, setup=setup, progress=config.progress,
                                        on_row=log_row, accelerator=accelerator)
         files = {}
         if config.output is not None and main:

@@ -4,9 +4,11 @@ on this machine, with a warning (and the flag that shrinks it) above an hour.
 A forward of L tokens costs ``per_token · L + per_square · L²`` seconds: the linear layers, norms, rotations and the
 output head grow with L, causal attention with L². Both are measured on this machine, in the model's dtype, from the
 model itself (``measure_forward_cost``, a few seconds, once per model): a real forward of 1,024 tokens, and one
-layer's causal SDPA at 8,192 tokens. Each plan is then a pure function of the job's settings and that cost
-(``eval_plan``, ``passkey_plan``, ``search_plan``, ``finetune_plan``); ``show_plan`` prints it. The demo sizes its grid
-with the same cost (``demo_plan.py``).
+layer's causal SDPA at 8,192 tokens, and an AdamW step (a training step's optimizer). Each plan is then a pure function
+of the job's settings, of what its output folder already holds (a resumed job plans only what is missing) and of that
+cost (``eval_plan``, ``passkey_plan``, ``search_plan``, ``finetune_plan``); ``show_plan`` prints it. A plan counts
+what the job runs, from the same count the job's progress bar shows as its total. The demo sizes its grid with the
+same cost (``demo_plan.py``).
 """
 
 from __future__ import annotations
@@ -27,19 +29,25 @@ from ..errors import ConfigError
 from ..methods import frequency_and_attention, get_method, parse_method_spec
 
 CALIBRATION_TOKENS, CALIBRATION_KEYS = 1024, 8192
+OPTIMIZER_PROBE = 1 << 22  # weights of the AdamW step timed by the probe (16 MB in fp32)
 WARN_SECONDS = 3600  # above this, a plan says so and names the flag that shrinks it
-UNTIMED_TOKENS = 16384  # a run of fewer forward tokens than this is not worth the probe: its plan says "short"
+# A run of less work than this (in forward tokens: a trained token counts BACKWARD_FORWARDS, one more under gradient
+# checkpointing) is not worth the probe (a 1,024-token forward): its plan says "short". About a minute of the
+# embedded 135M model on a 2-core CPU.
+UNTIMED_TOKENS = 8192
 BACKWARD_FORWARDS = 3  # a training step's forward + backward costs about three forwards (backward ≈ 2 × forward)
 
 
 @dataclass(frozen=True)
 class ForwardCost:
     """Measured seconds on this machine: a forward of L tokens takes ``per_token · L + per_square · L²`` (output head
-    on every position included), and one generated token ``per_new_token``."""
+    on every position included), one generated token ``per_new_token``, and an AdamW step ``per_trained_weight`` per
+    weight it updates."""
 
     per_token: float
     per_square: float
     per_new_token: float
+    per_trained_weight: float = 0.0
 
     def forward(self, length: int) -> float:
         return self.per_token * length + self.per_square * length**2
@@ -68,7 +76,7 @@ class JobPlan:
     forwards: tuple[int, ...]
     shrink: str
     new_tokens: int = 0
-    forward_factor: float = 1.0  # 3 for training steps (forward + backward)
+    forward_factor: float = 1.0  # 3 for training steps (forward + backward), 4 under gradient checkpointing
     notes: tuple[str, ...] = field(default_factory=tuple)
     groups: tuple[tuple[int, ...], ...] | None = None
     spread: bool = True
@@ -79,6 +87,12 @@ class JobPlan:
     @property
     def tokens(self) -> int:
         return sum(self.forwards)
+
+    @property
+    def work_tokens(self) -> float:
+        """The run's work in forward tokens: a trained token costs ``forward_factor`` of them (the backward pass and
+        the recomputed forward included); what decides whether it is worth timing (``UNTIMED_TOKENS``)."""
+        return self.tokens * self.forward_factor
 
     def streams(self, processes: int) -> int:
         """How many processes run forwards of their own: the process count, less those sharing a forward."""
@@ -107,8 +121,11 @@ class JobPlan:
         if cost is None:
             return None
         mine = self.share(processes) if processes > 1 else self.forwards
+        optimizer = 0.0
+        if self.training is not None:  # every process steps the optimizer over the weights it holds
+            optimizer = self.training.steps * self.training.trained_parameters * cost.per_trained_weight
         return (self.forward_factor * sum(cost.forward(n) for n in mine) / self.split
-                + self.new_tokens_of(mine) * cost.per_new_token)
+                + self.new_tokens_of(mine) * cost.per_new_token + optimizer)
 
     def seconds_on(self, target: Target, shape: ModelShape) -> float:
         """The busiest process's seconds on ``target`` by the FLOP model (``costs.py``) of ``shape``."""
@@ -185,11 +202,15 @@ def eval_forwards(methods: Sequence[str], lengths: Sequence[int]) -> list[int]:
 
 
 def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[[int, int], int],
-              documents: Sequence[int], *, protocol: str, shared: bool = True, split: int = 1) -> JobPlan:
+              documents: Sequence[int], *, protocol: str, shared: bool = True, split: int = 1,
+              left: Sequence[tuple[int, ...]] | None = None, whole: Sequence[tuple[int, ...]] | None = None
+              ) -> JobPlan:
     """``eval``'s plan: ``windows(document tokens, length)`` is the protocol's window count; ``documents`` the
     chosen documents' token counts. Under truncate one forward per document serves every length (``shared``). Its
     groups are what the sweep deals to processes: per method, each forward length's windows over all documents.
-    ``split``: processes sharing each window (``--sequence-parallel``, ``--tp-plan``)."""
+    ``split``: processes sharing each window (``--sequence-parallel``, ``--tp-plan``). ``left``: the groups the sweep
+    still has to run (``eval.perplexity.forwards_left``, what its bar counts), which a resumed run plans instead, and
+    ``whole``: the same with nothing finished."""
     groups: list[tuple[int, ...]] = []
     for spec in methods:
         if protocol == "truncate" and shared:
@@ -198,6 +219,13 @@ def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[
         else:
             groups += [tuple(n for tokens in documents for _ in range(windows(tokens, n))) for n in lengths]
     groups = [g for g in groups if g]
+    notes = ("finished rows already in the output folder are skipped",)
+    if left is not None:
+        everything = sum(map(sum, whole if whole is not None else groups))
+        groups = [g for g in left if g]
+        rest = sum(map(sum, groups))
+        notes = (f"resuming: {everything - rest:,} of {everything:,} tokens already scored in the output folder; this plan is "
+                 "the rest",) if rest < everything else ()
     what = (f"{len(methods)} method(s) x {len(lengths)} length(s) ({', '.join(f'{n:,}' for n in lengths)}) x "
             f"{len(documents)} document(s), {protocol}")
     if protocol == "sliding":
@@ -206,55 +234,81 @@ def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[
         shrink = "--documents 1"
     else:
         shrink = "fewer or shorter --lengths"
-    return JobPlan(what, tuple(n for g in groups for n in g), shrink,
-                   notes=("finished rows already in the output folder are skipped",), groups=tuple(groups),
-                   split=split)
+    return JobPlan(what, tuple(n for g in groups for n in g), shrink, notes=notes, groups=tuple(groups), split=split)
 
 
 def passkey_plan(methods: int, lengths: Sequence[int], depths: int, trials: int, max_new_tokens: int, *,
-                 spread: bool = False) -> JobPlan:
+                 spread: bool = False, left: Sequence[int] | None = None) -> JobPlan:
     """``passkey``'s plan: one prompt forward per method × length × depth × trial, then its generated tokens.
-    ``spread``: the trials are dealt round-robin to processes (else one process runs them all)."""
+    ``spread``: the trials are dealt round-robin to processes (else one process runs them all). ``left``: the prompt
+    lengths of the trials still to run (``eval.passkey.prompts_left``, the bar's count), which a resumed run plans
+    instead."""
     per_length = methods * depths * trials
     forwards = tuple(n for n in lengths for _ in range(per_length))
+    notes: tuple[str, ...] = ()
+    if left is not None and len(left) < len(forwards):
+        notes = (f"resuming: {len(forwards) - len(left):,} of {len(forwards):,} trial(s) already answered in the "
+                 "output folder; this plan is the rest",)
+    if left is not None:
+        forwards = tuple(left)
     what = (f"{methods} method(s) x {len(lengths)} length(s) ({', '.join(f'{n:,}' for n in lengths)}) x {depths} "
             f"depth(s) x {trials} trial(s)")
     return JobPlan(what, forwards, "fewer or shorter --lengths, or fewer --trials",
-                   new_tokens=len(forwards) * max_new_tokens, spread=spread)
+                   new_tokens=len(forwards) * max_new_tokens, spread=spread, notes=notes)
 
 
 def search_plan(candidates: int, target: int, heldin: int, methods: int, heldout: int, *,
-                screen: tuple[int, int, int] | None = None, spread: bool = False) -> JobPlan:
+                screen: tuple[int, int, int] | None = None, spread: bool = False, stored: int = 0,
+                screened: int = 0) -> JobPlan:
     """``search``'s plan: each candidate scored on the held-in documents at the target length, then every compared
     method on the held-out ones. ``screen`` (successive halving): ``(length, documents, promoted)``, every candidate
     scored first on ``documents`` at ``length``, and only ``promoted`` of them at the target; a note per stage.
-    ``spread``: candidates dealt round-robin to processes (else one process)."""
+    ``spread``: candidates dealt round-robin to processes (else one process). ``stored`` (``screened``): candidates
+    of the full fitness (the screen) already in the output folder's store: a resumed search reads them back, and
+    the same seed proposes them first, so only the rest are planned."""
+    resumed = (f"resuming: {stored + screened:,} candidate score(s) already in the output folder; this plan is the "
+               "rest",) if stored + screened else ()
     if screen is None:
-        forwards = (target,) * (candidates * heldin + methods * heldout)
+        scored = max(0, candidates - stored)
+        forwards = (target,) * (scored * heldin + methods * heldout)
         what = (f"{candidates} candidate(s) x {heldin} held-in document(s) at {target:,} tokens, then {methods} "
                 f"method(s) x {heldout} held-out document(s)")
-        return JobPlan(what, forwards, "fewer --candidates or --documents", spread=spread)
+        return JobPlan(what, forwards, "fewer --candidates or --documents", spread=spread, notes=resumed)
     length, documents, promoted = screen
-    forwards = (length,) * (candidates * documents) + (target,) * (promoted * heldin + methods * heldout)
+    cheap, full = max(0, candidates - screened), max(0, promoted - stored)
+    forwards = (length,) * (cheap * documents) + (target,) * (full * heldin + methods * heldout)
     what = (f"{candidates} candidate(s) screened, {promoted} promoted x {heldin} held-in document(s) at {target:,} "
             f"tokens, then {methods} method(s) x {heldout} held-out document(s)")
-    notes = (f"stage 1, screen: {candidates} candidate(s) x {documents} document(s) at {length:,} tokens = "
-             f"{candidates * documents:,} forward(s)",
-             f"stage 2, full: {promoted} candidate(s) x {heldin} document(s) at {target:,} tokens = "
-             f"{promoted * heldin:,} forward(s)")
+    notes = (f"stage 1, screen: {cheap} candidate(s) x {documents} document(s) at {length:,} tokens = "
+             f"{cheap * documents:,} forward(s)",
+             f"stage 2, full: {full} candidate(s) x {heldin} document(s) at {target:,} tokens = "
+             f"{full * heldin:,} forward(s)") + resumed
     return JobPlan(what, forwards, "fewer --candidates or --documents, or a smaller --screen-keep", notes=notes,
                    spread=spread)
 
 
 def finetune_plan(steps: int, sequences_per_step: int, seq_len: int, *, per_process: int | None = None,
-                  split: int = 1, training: Training | None = None) -> JobPlan:
-    """``finetune``'s plan: every step a forward and a backward over its sequences (the global batch). Each process
-    group of ``split`` (``--sequence-parallel``) takes ``per_process`` sequences of every step (batch size × gradient
-    accumulation), whatever the process count: more processes make a larger global batch, not a shorter step."""
+                  split: int = 1, training: Training | None = None, lengths: Sequence[int] | None = None,
+                  own: Sequence[int] | None = None) -> JobPlan:
+    """``finetune``'s plan: every step a forward and a backward over its sequences (the global batch), then the
+    optimizer step. Each process group of ``split`` (``--sequence-parallel``) takes ``per_process`` sequences of every
+    step (batch size × gradient accumulation), whatever the process count: more processes make a larger global batch,
+    not a shorter step. ``lengths``: the tokens of every sequence the run trains, in order, where they differ
+    (``--mixed-window``: short and long micro-batches), and ``own`` the first process group's; default ``seq_len``
+    each. A step under gradient checkpointing (``training.checkpointing``) runs its forward twice."""
+    forwards = tuple(lengths) if lengths is not None else (seq_len,) * (steps * sequences_per_step)
     what = f"{steps} step(s) x {sequences_per_step} sequence(s) of {seq_len:,} tokens"
-    fixed = (seq_len,) * (steps * per_process) if per_process is not None else None
-    return JobPlan(what, (seq_len,) * (steps * sequences_per_step), "fewer --steps or a shorter --seq-len",
-                   forward_factor=BACKWARD_FORWARDS, split=split, training=training, fixed_share=fixed)
+    if lengths is not None and len(set(forwards)) > 1:
+        short = min(forwards)
+        what = (f"{steps} step(s) x {sequences_per_step} sequence(s): {forwards.count(short):,} of {short:,} tokens "
+                f"(mixed window), {len(forwards) - forwards.count(short):,} of {seq_len:,}")
+    if own is not None:
+        fixed = tuple(own)
+    else:
+        fixed = (seq_len,) * (steps * per_process) if per_process is not None else None
+    factor = BACKWARD_FORWARDS + (1 if training is not None and training.checkpointing else 0)
+    return JobPlan(what, forwards, "fewer --steps or a shorter --seq-len", forward_factor=factor, split=split,
+                   training=training, fixed_share=fixed)
 
 
 def show_plan(plan: JobPlan, model: nn.Module | None, job: str, *, progress: bool = True, main: bool = True,
@@ -262,7 +316,7 @@ def show_plan(plan: JobPlan, model: nn.Module | None, job: str, *, progress: boo
     """Print ``plan`` to stderr (where the bars and the other notes of a run go), timing the model first unless the
     run is short; returns the estimate in seconds. Without ``progress`` (``--no-progress``) only a warning and the
     ``estimate_for`` lines show; only the ``main`` process prints. ``processes``: the processes the job runs on."""
-    cost = measure_forward_cost(model) if model is not None and plan.tokens >= UNTIMED_TOKENS else None
+    cost = measure_forward_cost(model) if model is not None and plan.work_tokens >= UNTIMED_TOKENS else None
     target = parse_target(estimate_for) if estimate_for else None
     if target is not None and shape is None and model is not None:
         shape = model_shape(model)
@@ -302,8 +356,8 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (
 
 def measure_forward_cost(model: nn.Module) -> ForwardCost:
     """Time the model itself in its dtype on its device: a forward of ``CALIBRATION_TOKENS`` tokens with the output
-    head, one generated token, and one layer's causal SDPA at ``CALIBRATION_KEYS`` (× the layers: ``per_square``).
-    Measured once per model (and dtype) in a process: the demo and the jobs it runs share it."""
+    head, one generated token, one layer's causal SDPA at ``CALIBRATION_KEYS`` (× the layers: ``per_square``), and an
+    AdamW step over ``OPTIMIZER_PROBE`` weights (``per_trained_weight``). Measured once per model (and dtype) in a process: the demo and the jobs it runs share it."""
     config, parameter = model.config, next(model.parameters())
     known = _MEASURED.get(model)
     if known is not None and known[0] == parameter.dtype:
@@ -323,9 +377,18 @@ def measure_forward_cost(model: nn.Module) -> ForwardCost:
                            lambda: head(decoder(ids[:, :64]).last_hidden_state))
         new_token = _seconds(lambda: model(ids[:, :1]), lambda: None)
     per_token = max(forward - per_square * CALIBRATION_TOKENS**2, forward / 2) / CALIBRATION_TOKENS
-    cost = ForwardCost(per_token, per_square, new_token)
+    cost = ForwardCost(per_token, per_square, new_token, _optimizer_seconds(parameter.device) / OPTIMIZER_PROBE)
     _MEASURED[model] = (parameter.dtype, cost)
     return cost
+
+
+def _optimizer_seconds(device: torch.device) -> float:
+    """One AdamW step over ``OPTIMIZER_PROBE`` fp32 weights on ``device`` (after one to warm up): the optimizer's
+    part of a training step is this per trained weight."""
+    weight = torch.zeros(OPTIMIZER_PROBE, device=device, requires_grad=True)  # (weights,)
+    weight.grad = torch.full_like(weight, 1e-3)
+    optimizer = torch.optim.AdamW([weight], lr=1e-6)
+    return _seconds(optimizer.step, optimizer.step)
 
 
 def _seconds(work, warm_up) -> float:

@@ -214,7 +214,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     plan = search_plan(budget, config.target_length, len(heldin), compared, len(heldout),
                        screen=None if screen is None else (screen["length"], len(screen["documents"]),
                                                            _promoted(evolution, budget, config.screen_keep)),
-                       spread=True)
+                       spread=True, stored=scorer.stored(), screened=0 if screen is None else screening.stored())
     show_plan(plan, model, JOB, progress=config.progress, main=main, processes=accelerator.num_processes,
               estimate_for=config.estimate_for)
     trackers = stack.enter_context(Trackers(config.report_to if main else None, project="rope-patch-search",

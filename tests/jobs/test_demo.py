@@ -14,6 +14,7 @@ from rope_patch.jobs.demo import run_demo
 from rope_patch.jobs.demo_plan import (
     LENGTH_STEP,
     PLANS,
+    REPORT_SECONDS,
     SETUP_SECONDS,
     ForwardCost,
     estimate,
@@ -33,13 +34,13 @@ def slower(cost: ForwardCost, times: float) -> ForwardCost:
 
 def test_an_estimate_is_its_forwards_closed_form():
     """minimal: four methods sharing one forward at 14,336 tokens on one document; passkey, one trial at 8,192 and
-    one at 16,384, each its prompt forward and 8 new tokens; plus what was spent and the set-up."""
+    one at 16,384, each its prompt forward and 8 new tokens; plus what was spent, the set-up and the reports."""
     a, b, c = 1e-3, 1e-7, 0.5
     minimal = next(p for p in PLANS if p.name == "minimal")
     got = estimate(minimal, ForwardCost(a, b, c), NATIVE, spent=7.0)
     assert got.eval == pytest.approx(4 * (a * 14336 + b * 14336**2))
     assert got.passkey == pytest.approx(a * 8192 + b * 8192**2 + a * 16384 + b * 16384**2 + 16 * c)
-    assert got.total == pytest.approx(7.0 + SETUP_SECONDS + got.eval + got.passkey)
+    assert got.total == pytest.approx(7.0 + SETUP_SECONDS + got.eval + got.passkey + REPORT_SECONDS)
 
 
 def test_static_methods_share_one_forward_dynamic_ones_run_every_length():
@@ -83,14 +84,29 @@ def test_a_named_grid_runs_whatever_the_budget():
     assert [p.name for p in PLANS] == ["full", "medium", "small", "minimal"]
 
 
-def test_demo_runs_every_part_and_a_rerun_resumes(tmp_path):
+def test_demo_runs_every_part_and_a_rerun_resumes(tmp_path, monkeypatch):
     """A tiny LLaMA with native length 256 (room for a passkey prompt in characters): inspect, perplexity of the four
-    methods at 128/256/512 tokens, passkey at 256 and 512; the rerun recomputes nothing and prints the same numbers."""
+    methods at 128/256/512 tokens, passkey at 256 and 512; the rerun recomputes nothing and prints the same numbers.
+    The estimate counts what ran: at a cost of one second per token, its seconds are the tokens of the windows scored
+    and of the prompts answered."""
+    import rope_patch.eval.passkey as passkey_module
+    import rope_patch.eval.perplexity as perplexity_module
+    import rope_patch.jobs.demo as demo_module
+
+    monkeypatch.setattr(demo_module, "measure_forward_cost", lambda model: ForwardCost(1.0, 0.0, 0.0))
+    windows, prompts = [], []
+    score, answer = perplexity_module._Sweep.forward, passkey_module.answer
+    monkeypatch.setattr(perplexity_module._Sweep, "forward",
+                        lambda self, ws: windows.extend(w.end - w.start + w.bos for w in ws) or score(self, ws))
+    monkeypatch.setattr(passkey_module, "answer",
+                        lambda model, tokenizer, prompt, *a: prompts.append(prompt.length) or answer(model, tokenizer,
+                                                                                                   prompt, *a))
     folder = tmp_path / "tiny"
     build_model(tiny_llama_config(max_position_embeddings=256)).save_pretrained(folder)
     make_char_tokenizer().save_pretrained(folder)
     output = tmp_path / "demo"
     first = run_demo(model=str(folder), grid="small", dtype="fp32", output=str(output), progress=False)
+    assert (first.estimate.eval, first.estimate.passkey) == (sum(windows), sum(prompts)) == (4 * 512, 256 + 512)
     assert [(r["method"], r["length"], r["status"]) for r in first.eval.rows] == [
         (m, n, "ok") for m in ("none", "linear:factor=2", "ntk:factor=2", "yarn:factor=2") for n in (128, 256, 512)]
     assert [(r["method"], r["length"]) for r in first.passkey.records] == [("yarn:factor=2", 256), ("yarn:factor=2", 512)]
