@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rope_patch.cli import main as cli_main
+from rope_patch.cli import parse
 from rope_patch.data.documents import held_out_ids, load_documents
 from rope_patch.data.heldout import TRAINING_MANIFEST
 from rope_patch.data.mixture import (BLOCK, SourceMixture, data_sources, parse_source_spec, short_micro_share)
@@ -183,8 +184,19 @@ def test_a_mixture_with_short_replay_trains_and_records_every_source(workspace, 
         held = held_out_ids(name, load_documents(name))
         assert trained and held and not trained & held
         assert trained | held == {d.id for d in load_documents(name)}
-    config = (tmp_path / "run" / "finetune_config.yaml").read_text()
-    assert f"{chat}:0.4:short" in config
+    _, saved = parse(["finetune", "--config", str(tmp_path / "run" / "finetune_config.yaml")])  # reruns as it ran
+    assert saved.dataset == [f"{corpus}:0.6", f"{chat}:0.4:short"] and saved.upsample_long == 2
+
+
+def test_the_command_line_and_yaml_give_a_mixture(tmp_path):
+    _, config = parse(["finetune", "--dataset", "a.jsonl:2", "--dataset", "b:1:short", "--upsample-long", "4",
+                       "--long-threshold", "8k"])
+    assert config.dataset == ["a.jsonl:2", "b:1:short"] and config.long_threshold == 8192
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text("dataset:\n  - {name: a.jsonl, weight: 0.3, text_field: content}\n  - b:0.7\n")
+    _, config = parse(["finetune", "--config", str(recipe)])
+    sources = data_sources(config.dataset)
+    assert [(s.name, s.weight, s.text_field) for s in sources] == [("a.jsonl", 0.3, "content"), ("b", 0.7, "text")]
 
 
 def test_the_short_sources_are_native_length_micro_batches(workspace):
