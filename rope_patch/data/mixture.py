@@ -246,13 +246,13 @@ class TrainingData:
 def training_data(sources: Sequence[DataSource], texts: Sequence[Sequence[Document]], tokenizer, *, seq_len: int,
                   short_len: int | None = None, short_share: float | None = None, seed: int = 0,
                   num_documents: int | None = None, exclude: Sequence[str] = (), upsample: float = 1.0,
-                  long_threshold: int | None = None) -> TrainingData:
+                  long_threshold: int | None = None, short_rope: str = "the method's RoPE") -> TrainingData:
     """The sequences of a fine-tune: the long sources at ``seq_len`` (one source: its ``PackedSequences``, exactly
     as before mixtures; several: a ``SourceMixture`` by weight), each with its own held-out part left out. Short
     sources packed at ``short_len`` form the short stream of a ``MixedSequences`` whose micro-batch share gives them
     their token share; with none, ``short_share`` (``--mixed-window``) replays the long sources at ``short_len``.
     ``num_documents``: at most that many per source; ``exclude``: ids kept out, each naming a document of some
-    source."""
+    source. ``short_rope``: what the short sequences train with, for the run's description."""
     known = {d.id for documents in texts for d in documents}
     unknown = set(exclude) - known
     if unknown:
@@ -278,7 +278,7 @@ def training_data(sources: Sequence[DataSource], texts: Sequence[Sequence[Docume
     if short:
         share = sum(sources[i].weight for i in short) / sum(source.weight for source in sources)
         data = MixedSequences(data, pack(short, short_len), short_share=short_micro_share(share, seq_len, short_len),
-                              seed=seed)
+                              seed=seed, short_rope=short_rope)
     elif short_share is not None:
         data = MixedSequences(data, pack(long, short_len), short_share=short_share, seed=seed)
     return TrainingData(data, [(source.record(), list(packed[i, short_len if source.short else seq_len].trained))

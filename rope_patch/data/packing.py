@@ -149,8 +149,10 @@ class MixedSequences:
     RoPE). Which kind a micro-batch is depends on the seed and its index in the run only (a pure function of the step,
     as ``PackedSequences`` is), and each kind reads its own sequences at the run positions of the micro-batch."""
 
-    def __init__(self, long: PackedSequences, short: PackedSequences, *, short_share: float, seed: int = 0):
+    def __init__(self, long: PackedSequences, short: PackedSequences, *, short_share: float, seed: int = 0,
+                 short_rope: str = "original RoPE"):
         self.long, self.short, self.short_share, self.seed = long, short, float(short_share), seed
+        self.short_rope = short_rope  # what the short ones train with: the original RoPE, or the method's (replay)
         self.seq_len = long.seq_len
         # both streams pack the same documents (held-out part left out alike): what an eval of the folder leaves out
         self.trained = list({d.id: d for d in [*long.trained, *short.trained]}.values())
@@ -169,8 +171,10 @@ class MixedSequences:
         return digest.hexdigest()[:16]
 
     def describe(self) -> str:
-        return (f"mixed window: {100 * self.short_share:g}% of micro-batches of {self.short.seq_len:,} tokens "
-                f"(original RoPE), the rest of {self.long.seq_len:,} (the method's); {self.long.describe()}")
+        kind = "mixed window" if self.short_rope == "original RoPE" else "short-data replay"
+        return (f"{kind}: {100 * self.short_share:g}% of micro-batches of {self.short.seq_len:,} tokens "
+                f"({self.short_rope}), the rest of {self.long.seq_len:,} (the method's); {self.long.describe()}"
+                + (f"; short: {self.short.describe()}" if kind == "short-data replay" else ""))
 
     positions = staticmethod(PackedSequences.positions)
 

@@ -169,7 +169,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
         trained = training_data(sources, texts, tokenizer, seq_len=config.seq_len, short_len=short_len,
                                 short_share=config.short_share if config.mixed_window else None, seed=config.seed,
                                 num_documents=config.documents, exclude=config.exclude_documents,
-                                upsample=config.upsample_long, long_threshold=config.long_threshold)
+                                upsample=config.upsample_long, long_threshold=config.long_threshold,
+                                short_rope="original RoPE" if config.mixed_window else "the method's RoPE")
         data = trained.sequences  # each source's held-out part (the corpus's test part) is never trained on
     del texts
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
