@@ -37,7 +37,7 @@ def source(marker: int, documents: int, length: int = SEQ - 1, long: int = 0) ->
 # --- the SRC[:weight] grammar --------------------------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.text(max_size=40))
 def test_any_dataset_text_parses_or_is_refused_in_one_line(text):
     try:
