@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import DataError
 from ..files import atomic_write
@@ -18,11 +19,17 @@ TRAINING_MANIFEST = "training_documents.json"
 MANIFEST_LIMIT = 2**28  # bytes: ~80 bytes a document, so 3 million documents; a larger one is not what finetune wrote
 
 
-def write_training_manifest(folder: str | os.PathLike, source: str | None,
-                            documents: Sequence[TokenizedDocument]) -> Path:
-    """Record in ``folder`` the documents a fine-tune trained on (by id and by a hash of their tokens)."""
-    entries = [{"id": d.id, "tokens": len(d), "hash": d.content_hash()} for d in documents]
-    body = {"source": source or "stdlib", "documents": entries}
+def write_training_manifest(folder: str | os.PathLike,
+                            sources: Sequence[tuple[Mapping[str, Any], Sequence[TokenizedDocument]]]) -> Path:
+    """Record in ``folder`` the documents a fine-tune trained on (by id and by a hash of their tokens), and each
+    source they came from: ``sources`` pairs a source's record (``DataSource.record``: name, split, weight...) with
+    its documents."""
+    entries = [{"id": d.id, "tokens": len(d), "hash": d.content_hash(), "source": record["name"]}
+               for record, documents in sources for d in documents]
+    listed = [dict(record) | {"documents": len(documents), "tokens": sum(map(len, documents))}
+              for record, documents in sources]
+    body = {"source": ", ".join(str(record["name"]) for record, _ in sources), "sources": listed,
+            "documents": entries}
     return atomic_write(Path(folder) / TRAINING_MANIFEST, json.dumps(body, indent=1) + "\n")
 
 

@@ -17,8 +17,30 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .documents import held_out_ids, load_documents
+from .documents import Document, held_out_ids, load_documents
 from .tokens import TokenizedDocument, resolve_bos, select_documents, tokenize_documents
+
+_COPY_DRAW, _COPY_ORDER = 0xC0B1, 0x0DE5  # streams of upsampling's seeded generators: copies, and their order
+
+
+def upsampled(documents: Sequence[TokenizedDocument], factor: float, threshold: int | None, *,
+              seed: int = 0) -> list[TokenizedDocument]:
+    """Documents with those longer than ``threshold`` tokens repeated to be drawn ``factor`` times as often (Fu et
+    al.'s per-source length upsampling): each long one appears floor(factor) times, once more with probability
+    frac(factor) (a seeded draw per document), so its expected count is ``factor``. The first round is every document
+    in order; each further round the long documents still to repeat, in a seeded order, so copies are never
+    neighbours unless only one document is long."""
+    if factor == 1 or threshold is None:
+        return list(documents)
+    long = [i for i, d in enumerate(documents) if len(d) > threshold]
+    draws = np.random.default_rng([seed, _COPY_DRAW]).random(len(long))
+    copies = {i: int(factor) + int(u < factor - int(factor)) for i, u in zip(long, draws)}
+    result = list(documents)
+    for round_ in range(1, max(copies.values(), default=1)):
+        repeated = [i for i in long if copies[i] > round_]
+        order = np.random.default_rng([seed, _COPY_ORDER, round_]).permutation(len(repeated))
+        result.extend(documents[repeated[j]] for j in order)
+    return result
 
 
 class PackedSequences:
@@ -49,18 +71,24 @@ class PackedSequences:
     @classmethod
     def from_source(cls, source: str | os.PathLike | None, tokenizer, *, seq_len: int, seed: int = 0,
                     num_documents: int | None = None, exclude: Sequence[str] = (), split: str | None = None,
-                    text_field: str = "text", subset: str | None = None, hold_out: bool = False) -> PackedSequences:
+                    text_field: str = "text", subset: str | None = None, hold_out: bool = False,
+                    texts: Sequence[Document] | None = None, upsample: float = 1.0, long_threshold: int | None = None,
+                    check_exclude: bool = True) -> PackedSequences:
         """Documents from the evaluation's sources (``rope_patch.data.documents.load_documents``), tokenised with cache.
 
-        ``exclude`` names documents (by id) kept out of training, e.g. the ones a later evaluation scores; ``hold_out``
-        also keeps out the corpus's test part (``held_out_ids``). ``trained``: the documents packed, by id.
+        ``exclude`` names documents (by id) kept out of training, e.g. the ones a later evaluation scores (an id the
+        source lacks refused unless ``check_exclude`` is off: a mixture checks its ids over all sources); ``hold_out``
+        also keeps out the corpus's test part (``held_out_ids``). ``texts``: the source's documents, loaded already.
+        ``upsample``: documents over ``long_threshold`` tokens packed that many times as often (``upsampled``).
+        ``trained``: the documents packed, by id, once each.
         """
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no EOS token to join documents with; use a tokenizer that defines one")
-        texts = load_documents(source, split=split, text_field=text_field, subset=subset)
+        if texts is None:
+            texts = load_documents(source, split=split, text_field=text_field, subset=subset)
         documents = tokenize_documents(tokenizer, texts)
         unknown = set(exclude) - {d.id for d in documents}
-        if unknown:
+        if unknown and check_exclude:
             known = ", ".join(d.id for d in documents[:8]) + (", ..." if len(documents) > 8 else "")
             raise DataError(f"--exclude-documents {', '.join(sorted(unknown))}: no such document (ids: {known})")
         exclude = set(exclude) | (held_out_ids(source, texts) if hold_out else set())
@@ -70,8 +98,10 @@ class PackedSequences:
                             "left to train on")
         if num_documents is not None:
             documents, _ = select_documents(documents, 1, num_documents, seed=seed)
-        packed = cls.from_documents(documents, eos_id=tokenizer.eos_token_id, bos_id=resolve_bos(tokenizer),
+        packed = cls.from_documents(upsampled(documents, upsample, long_threshold, seed=seed),
+                                    eos_id=tokenizer.eos_token_id, bos_id=resolve_bos(tokenizer),
                                     seq_len=seq_len, seed=seed, source=str(source or "the embedded corpus"))
+        packed.num_documents = len(documents)
         packed.trained = list(documents)
         return packed
 
@@ -119,8 +149,10 @@ class MixedSequences:
     RoPE). Which kind a micro-batch is depends on the seed and its index in the run only (a pure function of the step,
     as ``PackedSequences`` is), and each kind reads its own sequences at the run positions of the micro-batch."""
 
-    def __init__(self, long: PackedSequences, short: PackedSequences, *, short_share: float, seed: int = 0):
+    def __init__(self, long: PackedSequences, short: PackedSequences, *, short_share: float, seed: int = 0,
+                 short_rope: str = "original RoPE"):
         self.long, self.short, self.short_share, self.seed = long, short, float(short_share), seed
+        self.short_rope = short_rope  # what the short ones train with: the original RoPE, or the method's (replay)
         self.seq_len = long.seq_len
         # both streams pack the same documents (held-out part left out alike): what an eval of the folder leaves out
         self.trained = list({d.id: d for d in [*long.trained, *short.trained]}.values())
@@ -139,8 +171,10 @@ class MixedSequences:
         return digest.hexdigest()[:16]
 
     def describe(self) -> str:
-        return (f"mixed window: {100 * self.short_share:g}% of micro-batches of {self.short.seq_len:,} tokens "
-                f"(original RoPE), the rest of {self.long.seq_len:,} (the method's); {self.long.describe()}")
+        kind = "mixed window" if self.short_rope == "original RoPE" else "short-data replay"
+        return (f"{kind}: {100 * self.short_share:g}% of micro-batches of {self.short.seq_len:,} tokens "
+                f"({self.short_rope}), the rest of {self.long.seq_len:,} (the method's); {self.long.describe()}"
+                + (f"; short: {self.short.describe()}" if kind == "short-data replay" else ""))
 
     positions = staticmethod(PackedSequences.positions)
 

@@ -21,8 +21,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
-from ..data import MixedSequences, PackedSequences, sequence_lengths
-from ..data.documents import check_source
+from ..data import MixedSequences, sequence_lengths
+from ..data.mixture import check_sources_exist, data_sources, load_texts, training_data
 from ..data.heldout import write_training_manifest
 from ..errors import ConfigError, InvalidParameterError, RopePatchError
 from ..kernels import apply_kernels, head_loss_for, preferred_attention, remove_kernels
@@ -81,7 +81,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     config = FinetuneConfig.from_options(config, **options)
     warn_unreached_warmup(config)
     check_output_writable(config.output, "rope-patch finetune")  # before the model loads, and the lock
-    check_source(config.dataset)  # a data file that does not exist, before minutes of loading
+    sources = data_sources(config.dataset, split=config.split, subset=config.subset, text_field=config.text_field)
+    check_sources_exist(sources)  # a data file that does not exist, before minutes of loading
     try:
         forget_previous_jobs_accelerator()  # notebooks and sweeps call finetune() many times, with any precision
         mixed = {"auto": "bf16" if torch.cuda.is_available() else "no",
@@ -139,6 +140,17 @@ def mixed_window(model: torch.nn.Module, config: FinetuneConfig, name: str, para
         raise ConfigError(f"--method {config.method}: {error}") from None
 
 
+def short_replay_length(model: torch.nn.Module, config: FinetuneConfig) -> int:
+    """Tokens per sequence of the short sources (short-data replay): ``--short-len``, default the native length,
+    below ``--seq-len``; trained with the method's RoPE (``--mixed-window`` trains them with the original one)."""
+    native = rotary_setup(model, *primary_rotary(model)[1:], config.native_length).native_length
+    short_len = config.short_len or native
+    if short_len >= config.seq_len:
+        raise ConfigError(f"short sources pack sequences of the native length {short_len:,}, which must be below "
+                          f"--seq-len {config.seq_len:,}; train longer sequences or give --short-len")
+    return short_len
+
+
 def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopRequest) -> FinetuneResult:
     output = Path(config.output)
     check_distributed(accelerator, lora=config.lora, save_adapter=config.save_adapter, batch_size=config.batch_size,
@@ -150,6 +162,9 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     check_long_sequence_options(**long_options)
     layout = SequenceLayout.of(config.sequence_parallel, accelerator.process_index, accelerator.num_processes)
     set_seed(config.seed)
+    sources = data_sources(config.dataset, split=config.split, subset=config.subset, text_field=config.text_field)
+    with accelerator.main_process_first():  # before the model: a data set that does not exist is one line at once
+        texts = load_texts(sources)
 
     dtype = "bf16" if config.dtype == "bf16" else "fp32"
     model, tokenizer = load_model(config.model, dtype=dtype, device=accelerator.device,
@@ -159,24 +174,24 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     name, params = parse_method_spec(config.method)
     if config.layer_types is not None:
         set_layer_types(model, config.layer_types)  # checked before any work, kept by the saved patch's record
+    short_len = None
     if config.mixed_window:
         name, params, short_len = mixed_window(model, config, name, params)
+    elif any(source.short for source in sources):
+        short_len = short_replay_length(model, config)
     report = patch(model, name, native_length=config.native_length, **params)
     check_attention_dropout(model)  # before any work: an attention method applies no attention dropout
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
                             model=model, pose=config.pose_target_len is not None)
     patched = model  # where the patch lives, whatever wraps it later (fixed lengths under sequence parallelism)
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
-        data = PackedSequences.from_source(config.dataset, tokenizer, seq_len=config.seq_len, seed=config.seed,
-                                           num_documents=config.documents, exclude=config.exclude_documents,
-                                           split=config.split, text_field=config.text_field, subset=config.subset,
-                                           hold_out=True)  # the corpus's test part is never trained on
-        if config.mixed_window:
-            short = PackedSequences.from_source(config.dataset, tokenizer, seq_len=short_len, seed=config.seed,
-                                                num_documents=config.documents, exclude=config.exclude_documents,
-                                                split=config.split, text_field=config.text_field, subset=config.subset,
-                                                hold_out=True)
-            data = MixedSequences(data, short, short_share=config.short_share, seed=config.seed)
+        trained = training_data(sources, texts, tokenizer, seq_len=config.seq_len, short_len=short_len,
+                                short_share=config.short_share if config.mixed_window else None, seed=config.seed,
+                                num_documents=config.documents, exclude=config.exclude_documents,
+                                upsample=config.upsample_long, long_threshold=config.long_threshold,
+                                short_rope="original RoPE" if config.mixed_window else "the method's RoPE")
+        data = trained.sequences  # each source's held-out part (the corpus's test part) is never trained on
+    del texts
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
     key |= {"layer_types": config.layer_types} if config.layer_types else {}  # older runs' keys stay as they were
     key |= {"mixed_window": [config.short_share, short_len]} if config.mixed_window else {}
@@ -220,7 +235,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                           f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
                           f"; {engine_name(accelerator)}" + (f"\n{pieces}" if pieces else ""))
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
-        write_training_manifest(output, config.dataset, data.trained)  # what an eval of this folder leaves out
+        write_training_manifest(output, trained.sources)  # what an eval of this folder leaves out
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
         else nullcontext()
@@ -232,7 +247,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                                                    for p in model.parameters() if p.requires_grad),
                             steps=config.steps - progress.step)
         lengths = own = None
-        if config.mixed_window:  # each micro-batch short or long, a function of its index: counted as it will run
+        if isinstance(data, MixedSequences):  # --mixed-window or short sources: each micro-batch short or long, a
+            # function of its index: counted as it will run
             lengths = sequence_lengths(data, range(progress.step, config.steps), layout.replicas, config.batch_size,
                                        config.grad_accum)
             own = sequence_lengths(data, range(progress.step, config.steps), layout.replicas, config.batch_size,

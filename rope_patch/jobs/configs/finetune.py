@@ -22,8 +22,19 @@ class FinetuneConfig(JobConfig):
                                      "SmolLM2-135M-Instruct)")
     method: str = option("yarn:factor=2", "scaling applied before training, as a method spec, e.g. linear:factor=2 "
                                             "or yarn:factor=16", metavar="SPEC", spec=True)
-    dataset: str | None = option(None, "training documents, the sources of 'rope-patch eval': a hub data set, a local "
-                                       "file or folder (default: the embedded stdlib corpus)")
+    dataset: list[str | dict] | None = option(None, "training documents, the sources of 'rope-patch eval': a hub "
+                                                   "data set, a local file or folder (default: the embedded stdlib "
+                                                   "corpus); give it once per source of a mixture as SRC[:WEIGHT] "
+                                                   "(WEIGHT: its token share relative to the others, default 1), "
+                                                   "SRC[:WEIGHT]:short for short data packed at the native length, "
+                                                   "or in YAML a list of mappings of name, split, subset, "
+                                                   "text_field, weight, short", repeat=True, split=False,
+                                              metavar="SRC[:WEIGHT]")
+    upsample_long: float = option(1.0, "within each source, draw documents over --long-threshold tokens this many "
+                                       "times as often, the source's share kept (Fu et al. 2024); 1: off",
+                                  metavar="FACTOR")
+    long_threshold: int | None = option(None, "with --upsample-long, the tokens above which a document is long, e.g. "
+                                              "8k", tokens=True, metavar="TOKENS")
     seq_len: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
                                  "tokens)", tokens=True)
     pose_target_len: int | None = option(None, "PoSE: train for this window with --seq-len sequences whose chunks get "
@@ -34,9 +45,10 @@ class FinetuneConfig(JobConfig):
                                        "with the original RoPE, --seq-len ones with the method's, in one run; saved "
                                        "as transformers' longrope (short factors 1), which switches by length. The "
                                        "method's attention factor must be 1 (e.g. yarn:factor=2,attention_factor=1)")
-    short_share: float = option(0.5, "with --mixed-window, the share of micro-batches of short sequences")
-    short_len: int | None = option(None, "with --mixed-window, tokens per short sequence (default and most: the "
-                                         "native length)", tokens=True)
+    short_share: float = option(0.5, "with --mixed-window, the share of micro-batches of short sequences (a short "
+                                     "source's weight sets its share instead)")
+    short_len: int | None = option(None, "with --mixed-window or a short source, tokens per short sequence (default "
+                                         "and most: the native length)", tokens=True)
     native_length: int | None = option(None, NATIVE_LENGTH_HELP, tokens=True)
     layer_types: list[str] | None = option(None, LAYER_TYPES_HELP, metavar="TYPES")
     steps: int = option(200, "optimizer steps")
@@ -107,6 +119,26 @@ class FinetuneConfig(JobConfig):
     progress: bool = progress_option()
     estimate_for: str | None = estimate_for_option()
 
+    def check_data(self) -> bool:
+        """The data options (``--dataset`` sources and weights, upsampling): refused in one line before any model
+        loads. Whether a source is short."""
+        import math
+        import os
+
+        from ...data.mixture import data_sources
+
+        if self.dataset is not None:
+            self.dataset = [os.fspath(entry) if isinstance(entry, os.PathLike) else entry for entry in self.dataset]
+        sources = data_sources(self.dataset, split=self.split, subset=self.subset, text_field=self.text_field)
+        if not math.isfinite(self.upsample_long) or self.upsample_long < 1:
+            raise ConfigError(f"--upsample-long {self.upsample_long:g}: give a factor of 1 (off) or more, e.g. 4")
+        if (self.upsample_long != 1) != (self.long_threshold is not None):
+            raise ConfigError("--upsample-long and --long-threshold go together: give both (e.g. --upsample-long 4 "
+                              "--long-threshold 8k) or neither")
+        if self.long_threshold is not None and self.long_threshold <= 0:
+            raise ConfigError(f"--long-threshold {self.long_threshold}: give a positive number of tokens, e.g. 8k")
+        return any(source.short for source in sources)
+
     def validate(self) -> None:
         from ...kernels import check_kernels_available
         from ...methods import check_spec_alone, frequency_and_attention, parse_method_spec
@@ -131,6 +163,7 @@ class FinetuneConfig(JobConfig):
             raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
         check_spec_alone(self.method)  # and one that leaves out a parameter with no default
+        short = self.check_data()
         if self.mixed_window:
             if not 0 <= self.short_share <= 1:
                 raise ConfigError(f"--short-share {self.short_share}: give a share between 0 and 1, e.g. 0.5")
@@ -142,6 +175,19 @@ class FinetuneConfig(JobConfig):
             if frequency_and_attention(self.method)[1]:
                 raise ConfigError(f"--mixed-window cannot train {self.method}: an attention-level method has no "
                                   "longrope form; train its frequency part, add the attention method at eval")
+            if short and self.short_share != 0.5:
+                raise ConfigError("--short-share: the short sources' weights set their token share; drop "
+                                  "--short-share, or the :short mark to replay the long sources at the native length")
+        elif short:
+            if self.short_share != 0.5:
+                raise ConfigError("--short-share applies only with --mixed-window; a short source's weight sets its "
+                                  "token share: drop --short-share")
+            if self.short_len is not None and not 0 < self.short_len < self.seq_len:
+                raise ConfigError(f"--short-len {self.short_len}: short sources pack sequences of a positive number "
+                                  f"of tokens below --seq-len {self.seq_len:,}")
+            if self.pose_target_len is not None or self.sequence_parallel > 1:
+                raise ConfigError("a short source trains whole sequences of two lengths; drop --pose-target-len and "
+                                  "--sequence-parallel, or the :short mark")
         elif self.short_len is not None or self.short_share != 0.5:
             raise ConfigError("--short-share and --short-len apply only with --mixed-window; add it or drop them")
         if self.sequence_parallel > 1 and frequency_and_attention(self.method)[1]:
