@@ -17,6 +17,7 @@ from ..files import atomic_write
 from .plots import drawable, left_out_note, new_figure, run_title, save_figure, set_title, write_csv
 
 FITNESS = {"perplexity": "perplexity", "needle": "answer perplexity (needle documents)"}  # what each objective scores
+BAR_NAME = {"perplexity": "ppl", "needle": "answer ppl"}  # the same, as the progress bar says it
 TABLE_FIELDS = ("method", "heldin_perplexity", "heldout_perplexity", "documents", "tokens", "status", "spec")
 
 

@@ -33,7 +33,7 @@ from ..eval.windows import Protocol
 from ..eval.perplexity_report import cost_text
 from ..eval.search import (CANDIDATE_FIELDS, CandidateScorer, compare_methods, longrope_spec, screened_fitness,
                                short_context_cost, transformers_snippet)
-from ..eval.search_report import FITNESS, format_table, write_reports
+from ..eval.search_report import BAR_NAME, FITNESS, format_table, write_reports
 from ..data.heldout import leave_out_training
 from ..files import atomic_write, output_folder
 from ..eval.rows import CANDIDATE_ROWS, PERPLEXITY_ROWS
@@ -235,7 +235,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     def scored(candidate: Scored) -> None:
         best[0] = min(best[0], candidate.fitness)
         number[0] += 1
-        bar.set_postfix_str(f"best ppl {best[0]:.3f}, last {candidate.fitness:.3f}")
+        bar.set_postfix_str(f"best {BAR_NAME[config.objective]} {best[0]:.3f}, last {candidate.fitness:.3f}")
         bar.update()
         if fresh and fresh.pop(0):  # a resumed search sends only what it scores, at the candidate's own number
             trackers.log({"fitness/candidate": candidate.fitness, "fitness/best": best[0]}, step=number[0])
