@@ -157,8 +157,9 @@ def _oracle_logits(model_type: str, label: str, length: int):
              else rope_config(model.config).rope_parameters)["rope_theta"]
     _, _, entries, max_position = METHODS[label]
     config = rope_config(model.config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if label == "prope" and d != head_dim:
+    head_dim = (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) \
+        if label == "prope" else d  # run on the families only (CLOSED_FORM), whose configs have one head size
+    if d != head_dim:
         return (f"transformers' proportional RoPE (the oracle) applies p to the whole head ({head_dim} dims), where "
                 f"this type rotates {d}: checked against the paper's frequencies in tests/patching/test_prope_drope.py")
     try:

@@ -142,3 +142,14 @@ def test_finetune_method_drope_recalibrates_and_reloads_exactly(tmp_path):
     model, _ = rope_patch.load_model(tmp_path / "run", device="cpu", dtype="fp32")
     assert rope_patch.current_patch(model)["method"] == "drope"
     assert torch.equal(_logits(model), expected)
+
+
+def test_inspect_shows_the_stopped_pairs_with_an_infinite_wavelength():
+    from rope_patch.rotary_info import describe_rotary, format_report, frequency_table
+
+    info = describe_rotary(build_model(tiny_llama_config()))
+    rows, factor = frequency_table(info, "prope", {"keep": 0.5})
+    assert [r["turns_after"] == 0 for r in rows] == [False] * 4 + [True] * 4
+    assert all(r["wavelength_after"] == math.inf and r["scale"] == math.inf for r in rows[4:])
+    report = format_report(info, rows, "prope", {"keep": 0.5}, factor)
+    assert report.count(" inf ") == 4 and factor == 1.0
