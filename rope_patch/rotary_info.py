@@ -119,9 +119,9 @@ def frequency_table(
     for i, theta in enumerate(before.tolist()[: info.rotating_pairs]):  # proportional RoPE: the zero pairs left out
         row = {"pair": i, "wavelength": 2 * math.pi / theta, "turns": info.native_length * theta / (2 * math.pi)}
         if after is not None:
-            new = after[i].item()
-            row.update({"wavelength_after": 2 * math.pi / new, "turns_after": info.native_length * new / (2 * math.pi),
-                        "scale": theta / new})
+            new = after[i].item()  # 0: the pair stops rotating (p-RoPE, DroPE): an infinite wavelength, no turn
+            row.update({"wavelength_after": 2 * math.pi / new if new else math.inf,
+                        "turns_after": info.native_length * new / (2 * math.pi), "scale": theta / new if new else math.inf})
         rows.append(row)
     return rows, None if attention_factor is None else float(attention_factor)
 

@@ -4,14 +4,17 @@ Perplexity over every token of a long document is dominated by tokens that need 
 a set of factors can score well on it while the model cannot fetch anything from far back. LongRoPE2 (arXiv
 2502.20082 §3.2; its ``utils/tokenize_needle_dataset.py``) scores candidates instead on needle documents: a real
 document as the haystack, a key planted at a controlled depth, a question at the end, and the loss of the answer
-tokens only (the released code labels the needle's digits after "The special magic number ... is:").
+tokens only (the released code labels the needle's digits after "The special magic number ... is:", not the space
+before them).
 
 Here a needle document of ``length`` tokens is, in the model's tokens::
 
     [BOS] intro | document tokens before | needle | document tokens after | question | answer
 
 with passkey's intro, needle and question (``rope_patch.eval.passkey``), the document's own text as the haystack
-(not passkey's repeated filler), and the answer the key's tokens. Document k of n holds its needle at depth
+(not passkey's repeated filler), and the answer the tokens of " 12345". Only its digits are scored: where the
+tokenizer gives the space a token of its own (SmolLM2's, a character tokenizer), that token is context, not answer;
+where it merges the space into a digit token, that token carries a digit and is scored. Document k of n holds its needle at depth
 (k + 0.5)/n of the haystack, so the depths spread evenly over the documents; the 5-digit key is a function of the seed,
 the document and the length only, so every candidate is scored on the same prompts. Fitness: exp(mean NLL of the
 answer tokens), lower is better.
@@ -44,7 +47,7 @@ class NeedleDocument:
     key: int
     depth: float
     needle_start: int
-    answer_tokens: int
+    answer_tokens: int  # the scored tokens: the answer's digit tokens, last in ``ids``
 
     @property
     def answer_start(self) -> int:
@@ -54,6 +57,15 @@ class NeedleDocument:
 def needle_key(seed: int, document: str, length: int) -> int:
     """The 5-digit key of one document at one length: a function of the seed only, never of a candidate."""
     return random.Random(f"needle:{seed}:{document}:{length}").randint(10000, 99999)
+
+
+def digit_tokens(tokenizer, answer: Sequence[int]) -> int:
+    """How many of the answer's tokens carry its digits: all but the leading ones that decode to no digit (a space
+    token of its own), as LongRoPE2's needle labels score the number alone."""
+    leading = 0
+    while leading < len(answer) and not any(c.isdigit() for c in tokenizer.decode([answer[leading]])):
+        leading += 1
+    return len(answer) - leading
 
 
 def needle_depths(count: int) -> list[float]:
@@ -80,11 +92,15 @@ def build_needle_documents(tokenizer, documents: Sequence[TokenizedDocument], le
                             f"{max(haystack, 0):,} tokens of its text (it has {len(document):,}) and at least "
                             f"{length - max(haystack, 0):,} for the fixed parts; use longer documents or a longer "
                             "target")
+        scored = digit_tokens(tokenizer, answer)
+        if scored == 0:
+            raise DataError(f"needle document from {document.id!r}: the tokenizer's tokens of {f' {key}'!r} decode "
+                            "to no digit, so there is no answer to score; use the model's own tokenizer")
         text = [int(t) for t in document.ids[:haystack]]
         before = round(depth * haystack)
         ids = head + text[:before] + needle + text[before:] + question + answer
         built.append(NeedleDocument(document.id, np.asarray(ids, dtype=np.int64), key, depth,
-                                    needle_start=len(head) + before, answer_tokens=len(answer)))
+                                    needle_start=len(head) + before, answer_tokens=scored))
     return built
 
 

@@ -135,8 +135,11 @@ def _config_spells(model: nn.Module, method: str, base: RopeBase, params: dict) 
     spec = get_method(method)
     if spec.rope_parameters is None:
         return False
+    spelt = spec.rope_parameters(base, params)
+    if spelt.get("rope_type") == "proportional":  # its partial_rotary_factor is the method's (p-RoPE, DroPE)
+        return _rope_parameters(model) == spelt
     written = {k: v for k, v in _rope_parameters(model).items() if k != "partial_rotary_factor"}
-    return written == spec.rope_parameters(base, params)
+    return written == spelt
 
 
 YARN_BETAS = (32.0, 1.0)  # the only betas llama.cpp's common path uses (it reads none from the file)
@@ -186,30 +189,38 @@ def _one_list(rope: ServedRope, short_equals_long: bool) -> str | None:
     return None
 
 
-def _base_rules(dynamic: str, yarn: Rule, ntk_by_parts: Rule, llama3: Rule) -> dict[str, Rule]:
+def _base_rules(dynamic: str, yarn: Rule, ntk_by_parts: Rule, llama3: Rule, zero: str) -> dict[str, Rule]:
     return {
         "none": Rule(True), "linear": Rule(True), "ntk": Rule(True, "as a new base"), "base": Rule(True),
         "dynamic_ntk": Rule(False, dynamic), "dynamic_yarn": Rule(False, dynamic),
         "ntk_by_parts": ntk_by_parts, "yarn": yarn, "llama3": llama3,
         "longrope": Rule(True, "short = long, `--longrope-short-equals-long`", _one_list),
+        "prope": Rule(False, zero), "drope": Rule(False, zero),
     }
 
 
 _VLLM_YARN = Rule(True, "default attention_factor and truncate", _yarn_defaults)
 _VLLM_PARTS = Rule(False, "its YaRN always applies 0.1·ln s + 1")
 _FROZEN = "frozen at one base when it loads, not per length (vllm#41236)"
+# p-RoPE and DroPE stop pairs rotating (frequency 0). transformers spells that as its proportional RoPE, whose
+# numbers rope_patch checks against the family's own rotary class (record.write_config); no other engine's is checked.
+_PROPORTIONAL = "as proportional RoPE, where the rotary dims are the whole head"
+_ZERO_VLLM = "rope_patch has not checked its proportional RoPE (pairs at frequency 0) against transformers'"
+_ZERO_LLAMA_CPP = "its rope_freqs divide θ_i by a finite factor: a pair at frequency 0 needs an infinite one"
 RULES: dict[str, dict[str, Rule]] = {
     "transformers": {
         **{name: Rule(True) for name in ("none", "linear", "ntk", "base", "ntk_by_parts", "yarn", "llama3",
                                          "longrope")},
         "dynamic_ntk": Rule(True, "its base only grows within a session"),
         "dynamic_yarn": Rule(False, "no rope_type for it: rope_patch.from_pretrained reloads it"),
+        "prope": Rule(True, _PROPORTIONAL), "drope": Rule(True, _PROPORTIONAL + ", with no rotating pair"),
     },
-    "vllm": _base_rules(_FROZEN, _VLLM_YARN, _VLLM_PARTS, Rule(True)),
-    "sglang": _base_rules(_FROZEN, _VLLM_YARN, _VLLM_PARTS, Rule(True)),
+    "vllm": _base_rules(_FROZEN, _VLLM_YARN, _VLLM_PARTS, Rule(True), _ZERO_VLLM),
+    "sglang": _base_rules(_FROZEN, _VLLM_YARN, _VLLM_PARTS, Rule(True), _ZERO_VLLM),
     "llama.cpp": _base_rules("llama.cpp has no dynamic scaling",
                              Rule(True, "yarn keys, or rope_freqs for other betas"),
-                             Rule(True, "as rope_freqs and attn_factor"), Rule(True, "as rope_freqs")),
+                             Rule(True, "as rope_freqs and attn_factor"), Rule(True, "as rope_freqs"),
+                             _ZERO_LLAMA_CPP),
 }
 ATTENTION_REASON = "no engine has Self-Extend or ReRoPE: serve the frequency method alone, or use rope_patch"
 

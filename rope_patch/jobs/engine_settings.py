@@ -10,14 +10,15 @@ from torch import nn
 
 from ..errors import ConfigError, EngineUnsupportedError
 from ..eval.sweep import AS_LOADED, MethodEntry
-from ..export.engines import serving_settings
+from ..export.engines import RULES, serving_settings
 from ..methods import parse_method_spec
 from ..methods.registry import get_method
 
 
 def check_servable(entry: MethodEntry, engine: str) -> None:
     """Refuse, before loading, a method no serving engine can run: attention-level ones (no engine has Self-Extend or
-    ReRoPE; vLLM's DCA is GPU-only) and dynamic ones (vLLM freezes them at one length, so its numbers would be another method's)."""
+    ReRoPE; vLLM's DCA is GPU-only), dynamic ones (vLLM freezes them at one length, so its numbers would be another method's)
+    and those the engine's rules refuse (pairs at frequency 0: p-RoPE, DroPE)."""
     if entry.name == AS_LOADED:
         return
     for part in entry.label.split("+"):
@@ -29,6 +30,9 @@ def check_servable(entry: MethodEntry, engine: str) -> None:
         if name.startswith("dynamic"):
             raise ConfigError(f"--backend {engine}: {entry.label} rescales with each sequence's length, which {engine} "
                               "freezes at one length (vllm#41236); evaluate it with --backend hf")
+        rule = RULES.get(engine, {}).get(name)
+        if rule is not None and not rule.supported:  # p-RoPE, DroPE: pairs at frequency 0
+            raise ConfigError(f"--backend {engine}: {entry.label}: {rule.note}; evaluate it with --backend hf")
 
 
 def vllm_serving(model: nn.Module, window: int) -> tuple[dict[str, Any], int]:

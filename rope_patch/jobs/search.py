@@ -174,6 +174,8 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
                             target=config.target_length, factor=factor, bos=protocol.bos), **model_setup(model)}
     if config.objective != "perplexity":  # LongRoPE's own search keeps its earlier key: stores written before resume
         setup["objective"] = config.objective
+    if config.objective == "needle":  # the answer's digits alone are scored: a store that scored its space is not reused
+        setup["answer_scored"] = "digits"
     if floor is not None:
         setup["critical_pair"] = settings["critical_pair"]
     screen = None

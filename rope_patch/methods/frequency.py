@@ -192,6 +192,29 @@ def rope_longrope(
     return inv_freq, attention_factor
 
 
+def kept_pairs(keep: float, pairs: int) -> int:
+    """How many of ``pairs`` rotary pairs p-RoPE keeps rotating: ⌊p · pairs⌋, computed as transformers' proportional
+    RoPE computes it (``int(p · head_dim // 2)``; halving is exact in binary, so the two agree for every p)."""
+    return int(keep * (2 * pairs) // 2)
+
+
+def rope_prope(base: RopeBase, seq_len: int | None = None, *, keep: float = 0.75) -> Frequencies:
+    """p-RoPE (Barbero et al. 2024, "Round and Round We Go! What makes Rotary Positional Encodings useful?",
+    arXiv:2410.06205): θ_i unchanged for the k = ⌊p · d/2⌋ highest-frequency pairs (i < k), θ_i = 0 for the others
+    (no rotation: the lowest frequencies carry semantic channels, not position, and their rotation is what breaks past
+    the trained length). p = 1 is RoPE, p → 0 NoPE."""
+    inv_freq = default_inv_freq(base.rope_theta, base.dim).clone()  # [dim/2], highest frequency first
+    inv_freq[kept_pairs(keep, base.dim // 2):] = 0.0
+    return inv_freq, 1.0
+
+
+def rope_drope(base: RopeBase, seq_len: int | None = None) -> Frequencies:
+    """DroPE (Gelberg et al., "Extending the Context of Pretrained LLMs by Dropping Their Positional Embeddings",
+    arXiv:2512.12167, ICLR 2026): θ_i = 0 for every pair, so cos = 1 and sin = 0 and q, k pass unrotated (NoPE); the
+    model is then recalibrated by a short fine-tune (``finetune --method drope``)."""
+    return torch.zeros(base.dim // 2, dtype=torch.float32), 1.0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # How each method is spelt in transformers' config.rope_parameters, so a saved checkpoint reloads as it ran.
 
@@ -206,6 +229,15 @@ def _native(rope_type: str, *keys: str, **fixed: Any) -> Callable[[RopeBase, dic
         return out
 
     return build
+
+
+def _proportional(keep: Callable[[dict], float]) -> Callable[[RopeBase, dict], dict]:
+    """transformers' ``proportional`` RoPE (Gemma 4) with ``partial_rotary_factor`` p: the first ⌊p · head_dim/2⌋
+    pairs rotate with θ_i = b^(−2i/head_dim), the rest have frequency 0. That is p-RoPE (and DroPE at p = 0) wherever
+    the rotary dimensions are the whole head; ``record.write_config`` keeps the spelling only where the family's own
+    rotary class, built from it, gives the patched frequencies."""
+    return lambda base, p: {"rope_type": "proportional", "rope_theta": base.rope_theta,
+                            "partial_rotary_factor": keep(p)}
 
 
 def _scaled_length(base: RopeBase, params: dict) -> int:
@@ -240,6 +272,13 @@ def _check_longrope(base: RopeBase, params: dict) -> None:
                 f"give one factor per pair"
             )
 
+
+
+def _check_keep(base: RopeBase, params: dict) -> None:
+    if kept_pairs(params["keep"], base.dim // 2) == 0:
+        raise InvalidParameterError(
+            f"keep={params['keep']:g} keeps no pair of this model's {base.dim // 2} rotating (⌊p·d/2⌋ = 0): that is "
+            f"NoPE; use drope, or keep >= {1 / (base.dim // 2):.4g}")
 
 
 # A factor below 1 is well defined (positions compressed, the context shrunk to s × L), but it is no context extension:
@@ -310,5 +349,13 @@ for _method in (
            rope_parameters=_native("longrope", "factor", "original_max_position_embeddings", "short_factor", "long_factor",
                                    "attention_factor"),
            context_length=_scaled_length, check=_check_longrope),
+    Method("prope", rope_prope, "p-RoPE: the lowest-frequency pairs stop rotating",
+           "θ_i for i < ⌊p·d/2⌋, else 0",
+           {"keep": Param("float", "fraction p of the pairs that keep rotating, highest frequencies first",
+                          default=0.75, maximum=1.0, maximum_why="p is a fraction of the pairs; 1 is plain RoPE")},
+           rope_parameters=_proportional(lambda p: p["keep"]), zero_frequencies=True, check=_check_keep),
+    Method("drope", rope_drope, "DroPE: no rotation on any layer (NoPE), then a short fine-tune",
+           "θ_i = 0 for every pair", rope_parameters=_proportional(lambda p: 0.0), zero_frequencies=True,
+           every_layer_type=True),
 ):
     register_method(_method)

@@ -75,6 +75,8 @@ class Method:
     context_length: Callable[[RopeBase, dict], int] = lambda base, p: base.native_length
     check: Callable[[RopeBase, dict], None] | None = None  # validation across parameters
     kind: str = "frequency"  # "frequency": compute -> (inv_freq, factor); "attention": compute(**params) -> position maps
+    zero_frequencies: bool = False  # pairs at frequency 0 (no rotation) are the method's point: p-RoPE, DroPE
+    every_layer_type: bool = False  # applies to every layer type that rotates, not only the global ones (DroPE)
 
 
 METHODS: dict[str, Method] = {}
@@ -252,9 +254,10 @@ def resolve_params(name: str, base: RopeBase, given: Mapping[str, Any]) -> dict[
 
 def check_output(name: str, base: RopeBase, params: Mapping[str, Any]) -> None:
     """Refuse parameters whose result means nothing, for every method, built in or a user's: a frequency method must
-    give ``dim/2`` finite, positive frequencies whose angles m·θ_i stay finite in fp32 up to MAX_POSITION, and a
-    finite, positive attention factor (at the native length, and at MAX_POSITION where frequencies follow the length);
-    an attention method, finite far-band positions up to MAX_POSITION."""
+    give ``dim/2`` finite, positive frequencies (0 where the method stops pairs rotating by design) whose angles
+    m·θ_i stay finite in fp32 up to MAX_POSITION, and a finite, positive attention factor (at the native length, and
+    at MAX_POSITION where frequencies follow the length); an attention method, finite far-band positions up to
+    MAX_POSITION."""
     method = get_method(name)
     numbers_given = ",".join(f"{k}={v:g}" for k, v in canonical_params(name, params).items() if isinstance(v, float))
     spelt = f"{name}:{numbers_given}" if numbers_given else name  # the numbers in question, for the messages
@@ -274,7 +277,7 @@ def check_output(name: str, base: RopeBase, params: Mapping[str, Any]) -> None:
             return
         for seq_len in (None, MAX_POSITION) if method.length_dependent else (None,):
             inv_freq, factor = method.compute(base, seq_len, **params)
-            _check_frequencies(spelt, base, inv_freq, factor, where)
+            _check_frequencies(spelt, base, inv_freq, factor, where, method.zero_frequencies)
     except InvalidParameterError:
         raise
     except (ArithmeticError, ValueError, TypeError) as error:  # e.g. ln(L) = 0 in a divisor, from a user's method too
@@ -282,18 +285,20 @@ def check_output(name: str, base: RopeBase, params: Mapping[str, Any]) -> None:
                                     f"({type(error).__name__}: {error}); use values in the method's usual range") from None
 
 
-def _check_frequencies(name: str, base: RopeBase, inv_freq: torch.Tensor, factor: Any, where: str) -> None:
+def _check_frequencies(name: str, base: RopeBase, inv_freq: torch.Tensor, factor: Any, where: str,
+                       zero_allowed: bool = False) -> None:
     if not isinstance(inv_freq, torch.Tensor) or tuple(inv_freq.shape) != (base.dim // 2,):
         shape = tuple(inv_freq.shape) if isinstance(inv_freq, torch.Tensor) else type(inv_freq).__name__
         raise InvalidParameterError(f"{name} returns frequencies of shape {shape}, not ({base.dim // 2},): one per "
                                     f"rotary pair of {where}")
     values = inv_freq.double()  # [dim/2]
     finite = bool(torch.isfinite(values).all()) and float(values.max()) * MAX_POSITION <= FP32_MAX
-    if not finite or bool((values <= 0).any()):
+    if not finite or bool((values < 0).any()) or (not zero_allowed and bool((values == 0).any())):
         low, high = float(values.min()), float(values.max())
+        above = "0 or above (0: the pair does not rotate)" if zero_allowed else "above 0"
         raise InvalidParameterError(
             f"{name}: these parameters give frequencies from {low:.3g} to {high:.3g} for {where}; every frequency must "
-            f"be finite and above 0, and position x frequency finite in fp32 up to 2^24: use a factor in the usual "
+            f"be finite and {above}, and position x frequency finite in fp32 up to 2^24: use a factor in the usual "
             "range (e.g. between 1 and 1000)")
     number = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
     if not number or not math.isfinite(factor) or factor <= 0 or float(factor) * float(factor) > FP32_MAX:

@@ -275,6 +275,8 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
            modules: list[tuple[str, nn.Module]], step: Steps) -> PatchReport:
     """The steps of ``patch``, inside its transaction: validate and compute first, then change the model."""
     frequency, attention = frequency_and_attention(method, params)
+    if frequency is not None and get_method(frequency[0]).every_layer_type:
+        layer_types = _every_layer_type(model, modules, frequency[0], layer_types)
     if native_length is not None:
         _checked_native_length(native_length)
     plan = []  # validate everything before changing anything: bad input leaves the model as it was
@@ -336,6 +338,21 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
     state.generate_snapshot = install_generate(model, patch_state)
     setattr(model, STATE_ATTR, state)
     return report
+
+
+def _every_layer_type(model: nn.Module, modules: list[tuple[str, nn.Module]], method: str, layer_types):
+    """``"all"`` for a method that applies to every layer type that rotates (DroPE: the model becomes NoPE); a choice
+    of fewer layer types is refused, since half a NoPE model is another method."""
+    if layer_types in (None, "all"):
+        return "all"
+    chosen = {layer_types} if isinstance(layer_types, str) else set(layer_types)
+    for _, module in modules:
+        every = set(select_layer_types(module, "all"))
+        if chosen != every:
+            raise InvalidParameterError(
+                f"{method} removes the rotation on every layer type ({', '.join(sorted(map(str, every)))}), not on "
+                f"{', '.join(sorted(map(str, chosen)))} alone; leave the layer types out")
+    return "all"
 
 
 def _family_rope(model: nn.Module, module: nn.Module, layer_type: str | None) -> tuple[dict, int | None]:

@@ -58,6 +58,9 @@ def proportional_spelling(old: dict[str, Any], new: dict[str, Any]) -> dict[str,
     """transformers' spelling of a method on a proportional layer type, from its spelling on plain RoPE: linear is
     proportional with ``factor``, a base change proportional with that ``rope_theta``; None: transformers has none."""
     kept = {k: v for k, v in old.items() if k not in ("factor", "rope_theta")}
+    if new["rope_type"] == PROPORTIONAL:  # p-RoPE, DroPE: the fewer rotating pairs of the two, as the patch computes
+        rotating = min(new["partial_rotary_factor"], old.get("partial_rotary_factor", 1.0))
+        return {**kept, "rope_theta": new["rope_theta"], "partial_rotary_factor": rotating}
     if new["rope_type"] == "linear":
         return {**kept, "rope_theta": new["rope_theta"], "factor": new["factor"]}
     if new["rope_type"] == "default":

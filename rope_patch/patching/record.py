@@ -19,6 +19,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
@@ -26,7 +27,7 @@ from ..errors import InvalidParameterError, NativeLengthError
 from ..hub import quiet_transformers
 from ..methods import RopeBase, get_method
 from .families import carried_entries, is_unscaled, proportional_spelling
-from .rotary import MISSING, RotaryTarget, layer_rope_parameters, rebuild_module
+from .rotary import MISSING, RotaryTarget, inv_freq_buffer, layer_rope_parameters, rebuild_module, scaling_attribute
 
 CONFIG_KEY = "rope_patch"  # where a checkpoint records the patch (inside config.json)
 CONFIG_FIELDS = ("rope_parameters", "max_position_embeddings", "original_max_position_embeddings", CONFIG_KEY)
@@ -87,6 +88,8 @@ def rope_parameters_problem(params: Any, where: str = "rope_parameters") -> str 
             number = isinstance(entry, numbers.Real) and not isinstance(entry, bool)
             if number and not math.isfinite(entry):
                 return f"{spot} is {entry}, not a finite number"
+            if key == "partial_rotary_factor" and params.get("rope_type") == "proportional" and number and entry == 0:
+                continue  # proportional RoPE with no rotating pair: NoPE (a DroPE checkpoint)
             if key in POSITIVE_ROPE_KEYS and entry is not None and (not number or entry <= 0):
                 shown = repr(entry) if number or isinstance(entry, str) else type(entry).__name__
                 return f"{spot} is {shown[:40]}, not a number above 0"
@@ -247,12 +250,41 @@ def write_config(config, targets: list[RotaryTarget], method: str, snapshot: Con
         except (ValueError, TypeError):  # e.g. Phi-3 configs accept only default and longrope
             config.rope_parameters = copy.deepcopy(snapshot["rope_parameters"])
             native = False
+    if native and not _family_class_computes(targets, method):
+        config.rope_parameters = copy.deepcopy(snapshot["rope_parameters"])
+        native = False
     config.max_position_embeddings = max(_position_embeddings(spec, t, native) for t in targets)
     if "original_max_position_embeddings" in config.__dict__:  # Phi-3 style: reload prefers the top-level key
         config.original_max_position_embeddings = targets[0].params.get(
             "original_max_position_embeddings", targets[0].base.native_length
         )
     return native
+
+
+# rope_types whose meaning depends on the family's rotary class (proportional RoPE reads head_dim, not the rotary
+# dimensions): a spelling in one of them is kept only where the class, built from it, computes the patch's frequencies.
+CLASS_DEPENDENT_ROPE_TYPES = ("proportional",)
+
+
+def _family_class_computes(targets: list[RotaryTarget], method: str) -> bool:
+    """Whether each target's rotary class, built from the config as now written, holds the patch's frequencies and
+    attention factor (checked for CLASS_DEPENDENT_ROPE_TYPES only; True for every other spelling)."""
+    spelt = [t for t in targets
+             if layer_rope_parameters(t.module.config, t.layer_type).get("rope_type") in CLASS_DEPENDENT_ROPE_TYPES]
+    for target in spelt:
+        try:
+            with quiet_transformers():
+                fresh = type(target.module)(config=target.module.config)
+        except Exception:  # noqa: BLE001  a class that cannot be built from the spelling does not compute it
+            return False
+        built = fresh._buffers.get(inv_freq_buffer(target.layer_type))
+        inv_freq, factor = target.frequencies(method, None, torch.device("cpu"))  # [dim/2]
+        if built is None or built.shape != inv_freq.shape or not torch.equal(built.float() == 0, inv_freq == 0) \
+                or not torch.allclose(built.float(), inv_freq, rtol=1e-6, atol=0):
+            return False
+        if getattr(fresh, scaling_attribute(target.layer_type), None) != factor:
+            return False
+    return True
 
 
 def spelt_rope_parameters(old: dict[str, Any], target: RotaryTarget, method: str) -> dict[str, Any] | None:
@@ -262,7 +294,7 @@ def spelt_rope_parameters(old: dict[str, Any], target: RotaryTarget, method: str
     if spec.rope_parameters is None:
         return None
     new = spec.rope_parameters(target.base, target.params)
-    if "partial_rotary_factor" in old:
+    if "partial_rotary_factor" in old and new["rope_type"] != "proportional":  # proportional's own is the method's
         new["partial_rotary_factor"] = old["partial_rotary_factor"]
     new.update(carried_entries(old, new, target.base.native_length))
     return proportional_spelling(old, new) if target.rotating_pairs is not None else new

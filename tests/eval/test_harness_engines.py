@@ -145,6 +145,8 @@ def test_the_engine_is_part_of_the_results_key(tasks_dir, tmp_path, monkeypatch)
     ("dca:chunk=40,local=8", "attention-level method"),
     ("dynamic_ntk:factor=2", "freezes at one length"),
     ("dynamic_yarn", "freezes at one length"),
+    ("prope:keep=0.5", "frequency 0"),
+    ("drope", "frequency 0"),
 ])
 def test_methods_vllm_cannot_run_are_refused_with_a_pointer_to_hf(spec, message):
     from rope_patch.eval.sweep import method_entries

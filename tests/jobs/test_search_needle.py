@@ -36,7 +36,9 @@ def test_a_needle_document_holds_the_text_the_key_at_its_depth_and_the_answer_la
         key = needle_key(3, needle.id, 400)
         assert len(needle.ids) == 400 and needle.key == key
         assert decoded.endswith(f"What is the pass key? The pass key is {key}")
-        assert needle.answer_tokens == len(f" {key}")
+        assert needle.answer_tokens == len(str(key))  # the digits; the space token before them is context
+        assert tokenizer.decode(needle.ids[needle.answer_start:].tolist()) == str(key)
+        assert tokenizer.decode(needle.ids[needle.answer_start - 1:needle.answer_start].tolist()) == " "
         assert tokenizer.decode(needle.ids[needle.needle_start:needle.needle_start + 20].tolist()) == \
             f" The pass key is {key}"[:20]
         before = decoded[decoded.index("them.") + len("them. I will quiz you about the important information there."):
@@ -45,6 +47,42 @@ def test_a_needle_document_holds_the_text_the_key_at_its_depth_and_the_answer_la
         assert text.startswith(before + after) and len(before) / len(before + after) == pytest.approx(needle.depth,
                                                                                                        abs=0.01)
     assert built[0].needle_start < built[1].needle_start
+
+
+def _merging_tokenizer():
+    """A character tokenizer that merges a space into the digit after it (" 1" one token), as many BPE vocabularies
+    do: the answer " 12345" is five tokens, the first carrying the space."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"] + [f" {d}" for d in range(10)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r" [0-9]|[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def test_a_space_merged_into_the_first_digit_is_scored_with_it():
+    tokenizer = _merging_tokenizer()
+    docs = tokenize_documents(tokenizer, [Document("a", "abcdefghij" * 60)], cache=False)
+    (needle,) = build_needle_documents(tokenizer, docs, 400, seed=3)
+    scored = [tokenizer.decode([t]) for t in needle.ids[needle.answer_start:].tolist()]
+    assert scored == [f" {needle.key}"[:2], *str(needle.key)[1:]]  # " 1", "2", "3", "4", "5": every digit, no more
+    assert tokenizer.decode(needle.ids[needle.answer_start - 1:needle.answer_start].tolist()) == "s"  # "is" ends
+
+
+@pytest.mark.slow
+def test_the_embedded_tokenizer_scores_the_five_digits_not_the_space_before_them():
+    from rope_patch.loading import default_model_dir, load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_dir(), progress=False)
+    docs = tokenize_documents(tokenizer, [Document("a", "def f(x):\n    return x\n" * 80)], cache=False)
+    (needle,) = build_needle_documents(tokenizer, docs, 400, seed=3)
+    answer = needle.ids[needle.answer_start - 1:].tolist()
+    assert answer[0] == 216 and tokenizer.decode([216]) == " "  # SmolLM2's space token: context, not scored
+    assert needle.answer_tokens == 5 and [tokenizer.decode([t]) for t in answer[1:]] == list(str(needle.key))
 
 
 def test_the_needle_fitness_is_transformers_own_loss_on_the_answer_tokens(workspace):

@@ -47,7 +47,7 @@ def _one_line_refusal(error: BaseException) -> None:
 
 def check_spec(spec) -> bool:
     """Parse ``spec`` and apply it to every base: True where it is accepted for at least one, and then its frequencies
-    are finite, positive and finite at every position up to 2^24; every refusal is one RopePatchError line."""
+    are finite, positive (or 0, where the method stops pairs rotating) and finite at every position up to 2^24; every refusal is one RopePatchError line."""
     try:
         frequency, attention = frequency_and_attention(*parse_method_spec(spec))
     except Exception as error:  # noqa: BLE001  (the property: only RopePatchError)
@@ -69,7 +69,8 @@ def check_spec(spec) -> bool:
             for seq_len in (None, base.native_length, 4 * base.native_length):
                 inv_freq, factor = compute_frequencies(name, base, params, seq_len)
                 assert inv_freq.shape == (base.dim // 2,)
-                assert torch.isfinite(inv_freq).all() and (inv_freq > 0).all(), (spec, inv_freq)
+                positive = inv_freq >= 0 if get_method(name).zero_frequencies else inv_freq > 0  # p-RoPE, DroPE: 0
+                assert torch.isfinite(inv_freq).all() and positive.all(), (spec, inv_freq)
                 assert float(inv_freq.max()) * 2**24 <= FP32_MAX
                 assert 0 < factor and factor * factor <= FP32_MAX
     return accepted

@@ -12,7 +12,10 @@ The types come from transformers itself (tests/all_models.py). Each (type, metho
 Anything else (a traceback, a different number, a model left changed) fails. Methods transformers cannot spell
 have closed-form oracles in transformers' own terms: ``ntk`` and ``base`` are the default RoPE with the new base
 (b · s^(d/(d−2)) and the given one), ``ntk_by_parts`` is transformers' yarn with attention_factor 1, ``dynamic_yarn``
-at length l is transformers' yarn with factor l/L (plain RoPE at or below L).
+at length l is transformers' yarn with factor l/L (plain RoPE at or below L), ``prope`` is transformers' proportional
+RoPE with partial_rotary_factor p, and ``drope`` the same with 0 in every layer type (where the rotary dimensions are
+a part of the head, transformers' proportional builds another shape: untestable here, checked against the paper's
+frequencies in tests/patching/test_prope_drope.py).
 
 The outcomes are committed as docs/models_table.md (included by docs/models.md); the table test fails when the
 sweep finds anything else. Regenerate with ``ROPE_PATCH_UPDATE_MODELS=1``.
@@ -88,7 +91,11 @@ METHODS = {
     "dynamic_yarn": ("dynamic_yarn", lambda p: {},
                      lambda l, d, t: {"rope_type": "yarn", "factor": l / N, "original_max_position_embeddings": N}
                      if l > N else {"rope_type": "default"}, LONG),
+    "prope": ("prope", lambda p: {"keep": 0.75},
+              lambda l, d, t: {"rope_type": "proportional", "partial_rotary_factor": 0.75}, N),
+    "drope": ("drope", lambda p: {}, lambda l, d, t: {"rope_type": "proportional", "partial_rotary_factor": 0.0}, N),
 }
+EVERY_LAYER_TYPE = {"drope"}  # methods a patch applies to every layer type: the oracle gets them in each
 
 
 def _one_line(error: BaseException) -> str:
@@ -99,19 +106,26 @@ def _one_line(error: BaseException) -> str:
                   lambda match: "{" + ", ".join(sorted(match.group(1).split(", "))) + "}", text)
 
 
-def _oracle_rope(model_type: str, entries: dict) -> dict:
-    """The tiny model's rope_parameters with ``entries`` in the layer type a patch targets by default."""
+def _oracle_rope(model_type: str, entries: dict, every_layer_type: bool = False) -> dict:
+    """The tiny model's rope_parameters with ``entries`` in the layer type a patch targets by default (in each layer
+    type with ``every_layer_type``)."""
     model = cached_model(model_type)
     _, _, layer_type = primary_rotary(model)
     params = rope_config(model.config).rope_parameters
-    old = params[layer_type] if layer_type else params
+    if every_layer_type and layer_type:
+        return {**params, **{t: _oracle_entry(params[t], entries) for t in params if isinstance(params[t], dict)}}
+    return {**params, layer_type: _oracle_entry(params[layer_type], entries)} if layer_type else \
+        _oracle_entry(params, entries)
+
+
+def _oracle_entry(old: dict, entries: dict) -> dict:
+    """One layer type's rope_parameters with the method's ``entries`` instead of the model's own scaling."""
     kept = {k: v for k, v in old.items() if k not in SCALING_KEYS}
     if entries.get("rope_type") == "yarn" and "attention_factor" not in entries:  # the family's own yarn options
         kept.update({k: old[k] for k in ("mscale", "mscale_all_dim") if k in old})
     if "original_max_position_embeddings" in kept:
         kept["original_max_position_embeddings"] = N
-    new = {**kept, "rope_type": "default", **entries}
-    return {**params, layer_type: new} if layer_type else new
+    return {**kept, "rope_type": "default", **entries}
 
 
 @functools.cache
@@ -142,8 +156,15 @@ def _oracle_logits(model_type: str, label: str, length: int):
     theta = (rope_config(model.config).rope_parameters[layer_type] if layer_type
              else rope_config(model.config).rope_parameters)["rope_theta"]
     _, _, entries, max_position = METHODS[label]
+    config = rope_config(model.config)
+    head_dim = (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) \
+        if label == "prope" else d  # run on the families only (CLOSED_FORM), whose configs have one head size
+    if d != head_dim:
+        return (f"transformers' proportional RoPE (the oracle) applies p to the whole head ({head_dim} dims), where "
+                f"this type rotates {d}: checked against the paper's frequencies in tests/patching/test_prope_drope.py")
     try:
-        reference = oracle(model_type, _oracle_rope(model_type, entries(length, d, theta)), max_position)
+        reference = oracle(model_type, _oracle_rope(model_type, entries(length, d, theta), label in EVERY_LAYER_TYPE),
+                           max_position)
     except Exception as error:  # noqa: BLE001  transformers refusing the rope_type for this config class
         return f"transformers cannot build the oracle: {type(error).__name__}: {_one_line(error)[:160]}"
     try:
@@ -159,7 +180,7 @@ def _ids(model_type: str, length: int) -> torch.Tensor:
 
 # The methods transformers cannot spell are checked on the families tests/tiny_models.py names (one path each is the
 # requirement; these cover every RoPE layout: half-split, interleaved, partial, per-layer-type, NoPE layers).
-CLOSED_FORM = ("ntk", "base", "ntk_by_parts", "dynamic_yarn")
+CLOSED_FORM = ("ntk", "base", "ntk_by_parts", "dynamic_yarn", "prope", "drope")
 CLOSED_FORM_TYPES = set(FAMILIES)
 
 

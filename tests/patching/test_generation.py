@@ -27,6 +27,8 @@ METHODS = {
     "yarn": {"factor": 2},
     "dynamic_yarn": {},
     "llama3": {"factor": 2},
+    "prope": {"keep": 0.5},
+    "drope": {},
     "longrope": {"factor": 2, "short_factor": [1.0 + 0.1 * i for i in range(PAIRS)],
                  "long_factor": [1.0 + 0.5 * i for i in range(PAIRS)]},
     # attention methods: the (20, 8) scenario starts below the window and crosses it while generating
