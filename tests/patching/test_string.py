@@ -28,7 +28,8 @@ def prompt(length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, 120, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: soft-capping, sliding windows, its own rotary
+# gemma2: soft-capping, sliding windows, its own rotary (slow: the same mechanism as llama, one more family)
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_both_paths_match_the_dense_reference(family):
     model = build_model(family_config(family))
     ids = prompt(40)
