@@ -10,7 +10,7 @@ from __future__ import annotations
 # The built-in methods, in the registry's order (frequency methods first, then attention-level ones). Methods a user
 # registers from Python are theirs to name; the command line lists these.
 BUILT_IN_METHODS = ("none", "linear", "ntk", "base", "dynamic_ntk", "ntk_by_parts", "yarn", "dynamic_yarn", "llama3",
-                    "longrope", "prope", "drope", "self_extend", "rerope", "leaky_rerope", "dca")
+                    "longrope", "prope", "drope", "self_extend", "rerope", "leaky_rerope", "dca", "string")
 AS_LOADED = "as-loaded"  # a method spec: the model as loaded, with whatever scaling its checkpoint carries
 
 PROTOCOLS = ("truncate", "sliding", "disjoint")  # how documents become scored windows (eval/windows.py)

@@ -135,7 +135,8 @@ def relative_positions(info: RotaryInfo, method: str | None, params: dict | None
     base = RopeBase(info.rope_theta, info.rotary_dim, info.native_length)
     resolved = resolve_params(attention[0], base, attention[1])
     native = info.native_length
-    window = int(resolved.get("window", resolved.get("chunk", native // 4)))  # the method's own scale (DCA: its chunk)
+    # the method's own scale: its near band (STRING: the shift; DCA: its chunk)
+    window = int(resolved.get("shift") or resolved.get("window", resolved.get("chunk", native // 4)))
     distances = torch.tensor(sorted({window // 2, window, 2 * window, native, 2 * native, 4 * native, 8 * native}),
                              dtype=torch.float32)
     seen = far_relative_position(attention[0], resolved, distances, distances)

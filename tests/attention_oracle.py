@@ -6,6 +6,8 @@ the trained one: query at i, key at j) and the L × L matrix choosing a layout p
 * Self-Extend (Jin et al. 2024): d = i − j < W trained; else the query at ⌊i/G⌋ + W − ⌊W/G⌋, the key at ⌊j/G⌋.
 * ReRoPE (Su 2023): d < W trained; else the query at W, the key at 0.
 * Leaky ReRoPE (Su 2023): d < W trained; else the query at i/k + W − W/k, the key at j/k.
+* STRING (An et al. 2025): the relative position of every pair, written as a matrix: d < S keeps d, else d − S + W.
+  Each distinct relative position r of the far pairs is its own layout (the query rotated at r, the key at 0).
 * Dual Chunk Attention (An et al. 2024, section 3), in the paper's notation (chunk length s, local window w, cap
   c − 1): keys at j mod s; queries at i mod s (same chunk), s + (i mod s) for the first w queries of a chunk and
   c − 1 after (previous chunk), c − 1 (older chunks). rope_patch's ``chunk=C, local=W`` (vLLM's keys) is the paper's
@@ -51,6 +53,16 @@ def method_layouts(name: str, params: dict, positions: int | torch.Tensor) -> La
         inter = torch.full((len(whole),), float(c - 1))
         choice = (whole[:, None] // s - whole[None, :] // s).clamp(0, 2)
         return [intra, successive, inter], [key, key, key], choice
+    if name == "string":
+        relative = i[:, None] - i[None, :]  # [L, L] d
+        shifted = relative - params["shift"] + params["window"]
+        seen = torch.where(relative >= params["shift"], shifted, relative)  # the paper's position matrix
+        far = sorted({int(r) for r in seen[(relative >= params["shift"]) & (relative >= 0)].tolist()})
+        choice = torch.zeros(len(whole), len(whole), dtype=torch.long)
+        for index, r in enumerate(far, start=1):
+            choice[(relative >= params["shift"]) & (seen == r)] = index
+        return ([i] + [torch.full_like(i, float(r)) for r in far], [i] + [torch.zeros_like(i) for _ in far],
+                choice)
     w = params["window"]
     if name == "self_extend":
         g = params["group"]

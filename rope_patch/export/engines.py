@@ -16,7 +16,8 @@ The rules come from each engine's source, read where rope_patch could not check 
   LongRoPE's ``rope_factors_long``/``_short`` chosen by the configured context, not the current length), never
   YaRN's betas, and has no dynamic scaling. Any static per-pair frequencies with one attention factor are exact
   through ``rope_freqs`` (``rope_patch.export.gguf``).
-- No engine has Self-Extend or ReRoPE (llama.cpp keeps group attention in its CLI tools only).
+- No engine has Self-Extend, ReRoPE or STRING (llama.cpp keeps group attention in its CLI tools only; STRING's
+  code is a monkeypatch of transformers' LLaMA attention).
 - vLLM has Dual Chunk Attention (``dual_chunk_attention_config``: ``DualChunkRotaryEmbedding`` in
   ``model_executor/layers/rotary_embedding/dual_chunk_rope.py``, the ``DUAL_CHUNK_FLASH_ATTN`` backend of its V0
   engine, read by the Qwen2 and Qwen2-MoE models, and Qwen3-MoE): its ``chunk_size``/``local_size`` are
@@ -222,7 +223,7 @@ RULES: dict[str, dict[str, Rule]] = {
                              Rule(True, "as rope_freqs and attn_factor"), Rule(True, "as rope_freqs"),
                              _ZERO_LLAMA_CPP),
 }
-ATTENTION_REASON = "no engine has Self-Extend or ReRoPE: serve the frequency method alone, or use rope_patch"
+ATTENTION_REASON = "no engine has Self-Extend, ReRoPE or STRING: serve the frequency method alone, or use rope_patch"
 
 
 def _refusal(engine: str, rope: ServedRope, short_equals_long: bool) -> str | None:

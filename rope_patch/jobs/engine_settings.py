@@ -16,17 +16,17 @@ from ..methods.registry import get_method
 
 
 def check_servable(entry: MethodEntry, engine: str) -> None:
-    """Refuse, before loading, a method no serving engine can run: attention-level ones (no engine has Self-Extend or
-    ReRoPE; vLLM's DCA is GPU-only), dynamic ones (vLLM freezes them at one length, so its numbers would be another method's)
-    and those the engine's rules refuse (pairs at frequency 0: p-RoPE, DroPE)."""
+    """Refuse, before loading, a method no serving engine can run: attention-level ones (no engine has Self-Extend,
+    ReRoPE or STRING; vLLM's DCA is GPU-only), dynamic ones (vLLM freezes them at one length, so its numbers would be
+    another method's) and those the engine's rules refuse (pairs at frequency 0: p-RoPE, DroPE)."""
     if entry.name == AS_LOADED:
         return
     for part in entry.label.split("+"):
         name, _ = parse_method_spec(part)
         if get_method(name).kind == "attention":
             raise ConfigError(f"--backend {engine}: {entry.label} is an attention-level method, which {engine} cannot "
-                              "run here (no serving engine has Self-Extend or ReRoPE, and vLLM's DCA backend is "
-                              "GPU-only, in its V0 engine); evaluate it with --backend hf")
+                              "run here (no serving engine has Self-Extend, ReRoPE or STRING, and vLLM's DCA backend "
+                              "is GPU-only, in its V0 engine); evaluate it with --backend hf")
         if name.startswith("dynamic"):
             raise ConfigError(f"--backend {engine}: {entry.label} rescales with each sequence's length, which {engine} "
                               "freezes at one length (vllm#41236); evaluate it with --backend hf")

@@ -13,6 +13,8 @@ relative position far_q(i) − far_k(j) meets the near band at d = W for every o
 * ReRoPE (Su 2023): far_q(i) = W, far_k(j) = 0: relative position min(d, W).
 * Leaky ReRoPE (Su 2023): far_q(i) = i/k + W − W/k, far_k(j) = j/k: relative position W + (d − W)/k beyond W.
 
+STRING (``string_bands``) has the same two bands, with its near band S wide (the shift) rather than W.
+
 Dual Chunk Attention (``dual_chunk_bands``) has three, chosen by chunk: see its docstring.
 
 They apply on top of whatever frequencies the model has, patched or not.
@@ -74,6 +76,16 @@ def rerope_positions(window: int) -> tuple[PositionMap, PositionMap]:
 def leaky_rerope_positions(window: int, factor: float) -> tuple[PositionMap, PositionMap]:
     """Leaky ReRoPE: query at i/k + W − W/k, key at j/k: relative position W + (d − W)/k beyond W."""
     return (lambda i: i / factor + window - window / factor, lambda j: j / factor)
+
+
+def string_bands(shift: int, window: int) -> Bands:
+    """STRING (An et al. 2025, "Why Does the Effective Context Length of LLMs Fall Short?", ICLR 2025,
+    arXiv:2410.18745; code HKUNLP/STRING): a pair at distance d = i − j ≥ S is scored at relative position
+    d − S + W, closer pairs keep d. The well-trained small positions W … are reused for the far pairs, and the rarely
+    trained large ones (past L − S + W) are never seen. Far band: query at i − S + W, key at j. The reference code's
+    diagonal pass (flash-attention window S, both ends included) also scores the pairs at d = S at their true
+    distance, beside the shifted pass: here every pair is scored once, d = S at W, as the paper's formula says."""
+    return window_bands(shift, lambda i: i - (shift - window), lambda j: j)
 
 
 def dual_chunk_bands(chunk: int, local: int) -> Bands:
@@ -166,6 +178,23 @@ def _check_dca(base: RopeBase, params: dict) -> None:
                                     "chunk length, chunk − local, must exceed the local window)")
 
 
+def _check_string(base: RopeBase, params: dict) -> None:
+    if params["window"] >= params["shift"]:
+        raise InvalidParameterError(f"string: window={params['window']} must be under shift={params['shift']} (pairs "
+                                    "at d ≥ shift are scored at d − shift + window: a window at or past the shift "
+                                    "moves them to larger positions, not smaller); e.g. "
+                                    f"string:shift={params['shift']},window={max(1, params['shift'] // 2)}")
+
+
+def _string_shift(base: RopeBase) -> int:
+    return max(2, base.native_length // 3)
+
+
+def _string_length(base: RopeBase, p: dict) -> int:
+    """The longest sequence whose relative positions all stay below L: d − S + W ≤ L − 1."""
+    return base.native_length + p["shift"] - p["window"]
+
+
 def _self_extend_length(base: RopeBase, p: dict) -> int:
     return (base.native_length - p["window"]) * p["group"] + p["window"]
 
@@ -198,5 +227,15 @@ for _method in (
                            default=lambda base: max(1, base.native_length // 16), maximum=MAX_POSITION,
                            maximum_why=POSITION_BOUND_WHY)},
            context_length=lambda base, p: 2**31 - 1, check=_check_dca, kind="attention"),
+    Method("string", string_bands, "STRING: relative positions d ≥ S shifted down to d − S + W (An et al. 2025)",
+           "d < S: d; else d − S + W",
+           {"shift": Param("int", "shift S in tokens: pairs at distance d ≥ S are scored at d − S + W (default native "
+                           "length / 3, the paper's)", default=_string_shift, maximum=MAX_POSITION,
+                           maximum_why=POSITION_BOUND_WHY),
+            "window": Param("int", "small local value W: the relative position a pair at d = S is scored at, below S "
+                            "(default 128, the paper's; S / 2 when S < 256)",
+                            default=lambda base: min(128, _string_shift(base) // 2), maximum=MAX_POSITION,
+                            maximum_why=POSITION_BOUND_WHY)},
+           context_length=_string_length, check=_check_string, kind="attention"),
 ):
     register_method(_method)

@@ -3,9 +3,10 @@
 
 No modeling code is copied: the family's attention module still projects, rotates (with its possibly patched rotary
 module) and caches; the function registered here receives q and k already rotated at their absolute positions. Each of the
-method's remapped layouts needs them rotated at its positions instead, so it rotates them once more, by q_b(i) − i
-for queries and k_b(j) − j for keys, with plain cos/sin of the rotary module's current ``inv_freq`` (any attention factor
-is already inside q·k, and rotations compose), in the layer's own pair layout, measured when the patch is installed
+method's remapped layouts needs them rotated at its positions instead, so it rotates them directly to q_b(i) and
+k_b(j): one rotation by q_b(i)·θ minus the fp32 angle the family used at i (``layer_rotation.rotate_to``, fp64
+angles), with plain cos/sin of the rotary module's current ``inv_freq`` (any attention factor is already inside q·k,
+and rotations compose), in the layer's own pair layout, measured when the patch is installed
 (``layer_rotation``). Layers the family leaves unrotated (NoPE) get plain causal attention, as they had. The
 layouts are scored tile by tile over query blocks and chosen pair by pair (by distance, or by chunk) before one
 softmax; the mask is built tile by tile too (``tiled_mask``): no L × L tensor per head. The tensor maths of the
@@ -35,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..errors import UnsupportedModelError
 from ..methods.attention import Bands, attention_bands
 from .flex import attention_path, fused_banded_attention
-from .layer_rotation import layer_inv_freq, probe_layer_rotations, rotate_by
+from .layer_rotation import layer_inv_freq, probe_layer_rotations, rotate_to
 from .offload import lacks_weights
 from .rotary import MISSING, find_rotary_modules
 from .tiled_mask import TiledMask, tiled_mask
@@ -181,10 +182,12 @@ def rope_patch_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     q_pos, k_pos = q_pos.to(query.device), k_pos.to(query.device)
     inv_freq = setup.inv_freq(module).to(query.device)
     queries, keys_by_layout, rotated_keys = [query], [key], {}  # layouts sharing a key map (DCA's) share its keys
+    wide = torch.float32 if query.device.type == "mps" else torch.float64  # the maps in fp64 (MPS has none)
+    wide_q, wide_k = q_pos.to(wide), k_pos.to(wide)  # Leaky ReRoPE's i/k is then exact to 1e-16, not 1e-7
     for query_map, key_map in setup.bands.layouts:
-        if id(key_map) not in rotated_keys:
-            rotated_keys[id(key_map)] = rotate_by(key, key_map(k_pos) - k_pos, inv_freq, layout)
-        queries.append(rotate_by(query, query_map(q_pos) - q_pos, inv_freq, layout))
+        if id(key_map) not in rotated_keys:  # STRING's keys stay at j: rotated anyway, free of the family's rounding
+            rotated_keys[id(key_map)] = rotate_to(key, k_pos, key_map(wide_k), inv_freq, layout)
+        queries.append(rotate_to(query, q_pos, query_map(wide_q), inv_freq, layout))
         keys_by_layout.append(rotated_keys[id(key_map)])
     output = layouts_attention(queries, keys_by_layout, value, q_pos, k_pos, setup.bands, attention_mask, scale,
                                softcap)

@@ -1,6 +1,7 @@
 """How each attention layer of a model rotates q and k: measured on the model, not assumed from its family.
 
-The attention-level methods rotate the already rotated q and k once more, so they must rotate the way the family does:
+The attention-level methods rotate the already rotated q and k to their far layouts' positions, so they must rotate
+the way the family does:
 half-split pairs (dimension j with j + r/2, LLaMA's ``rotate_half``) or interleaved pairs (2j with 2j+1: Cohere, GLM,
 Llama 4), on the first r = 2·len(inv_freq) dimensions; and not at all on layers the family leaves unrotated (NoPE:
 SmolLM3's ``no_rope_layers``, Cohere 2's global layers, Llama 4's NoPE layers).
@@ -37,8 +38,28 @@ _captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer_idx -> (q,
 def rotate_by(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor, layout: str) -> torch.Tensor:
     """Rotate ``x`` [b, h, n, head_dim] by ``shift`` [b, n] positions on its first 2·len(inv_freq) dimensions, pairs
     laid out as ``layout`` ("half": j with j + r/2; "interleaved": 2j with 2j+1); the rest (partial RoPE) passes."""
-    rotary = 2 * inv_freq.numel()
     angles = shift.float()[:, None, :, None] * inv_freq  # [b, 1, n, r/2]
+    return rotate_by_angles(x, angles, layout)
+
+
+def rotate_to(x: torch.Tensor, positions: torch.Tensor, remapped: torch.Tensor, inv_freq: torch.Tensor,
+              layout: str) -> torch.Tensor:
+    """``x`` [b, h, n, head_dim], which the family rotated at ``positions`` [b, n], rotated instead at ``remapped``
+    [b, n] (an attention method's far layout): one rotation by remapped·θ − fl32(position·θ), the second term being
+    the fp32 angle the family's rotary module computed (transformers' fp32 product of position and ``inv_freq``). The
+    difference is taken in fp64, so the result is R(remapped)·x₀ up to fp32 rounding: neither the family's rounding of
+    the large angle position·θ nor a second rounding of the shift's angle enters the far band (rotating by remapped −
+    position in fp32 left 1.7e-4 of the mean |score| at position 131k, 1.0e-3 at 1M; this leaves 1e-7)."""
+    wide = torch.float32 if x.device.type == "mps" else torch.float64  # MPS has no fp64
+    family = (positions.float()[:, None, :, None] * inv_freq.float()).to(wide)  # [b, 1, n, r/2], as the family rounded
+    angles = remapped.to(wide)[:, None, :, None] * inv_freq.to(wide) - family
+    return rotate_by_angles(x, angles, layout)
+
+
+def rotate_by_angles(x: torch.Tensor, angles: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rotate the pairs of ``x`` [b, h, n, head_dim] by ``angles`` [b, 1, n, r/2] (any float dtype; cos and sin are
+    taken in it, then cast to x's), in ``layout``; dimensions past the r rotary ones (partial RoPE) pass."""
+    rotary = 2 * angles.shape[-1]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     rest = x[..., rotary:]
     if layout == "half":

@@ -36,6 +36,7 @@ METHODS = {
     "rerope": {"window": 24},
     "leaky_rerope": {"window": 24, "factor": 4},
     "dca": {"chunk": 24, "local": 8},  # chunks of 16: every scenario crosses several
+    "string": {"shift": 24, "window": 6},
 }
 BUILT_IN = set(available_methods())  # read at import, before any test registers a method of its own
 DYNAMIC = ["dynamic_ntk", "dynamic_yarn", "longrope"]

@@ -30,7 +30,7 @@ KERNELS_HELP = ("fused Triton kernels: liger (liger-kernel's RMSNorm, SwiGLU and
                 "frequencies; in training also its fused linear cross-entropy; needs a CUDA GPU and pip install "
                 "'rope-patch[liger]'; on CPU, TRITON_INTERPRET=1 runs its RoPE and fused cross-entropy in Triton's "
                 "interpreter) or none")
-ATTENTION_KERNEL_HELP = ("how the attention-level methods (self_extend, rerope, leaky_rerope, dca) run: fused "
+ATTENTION_KERNEL_HELP = ("how the attention-level methods (self_extend, rerope, leaky_rerope, dca, string) run: fused "
                          "(FlexAttention, one call per position layout over its own block mask, merged by log-sum-exp), "
                          "tiled (query tiles, the far keys through SDPA), or auto: fused on a CUDA GPU, tiled elsewhere; "
                          "the numbers agree within float rounding, so a resumed run reuses rows of either")
