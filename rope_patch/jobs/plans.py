@@ -185,11 +185,13 @@ def eval_forwards(methods: Sequence[str], lengths: Sequence[int]) -> list[int]:
 
 
 def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[[int, int], int],
-              documents: Sequence[int], *, protocol: str, shared: bool = True, split: int = 1) -> JobPlan:
+              documents: Sequence[int], *, protocol: str, shared: bool = True, split: int = 1,
+              models: int = 1) -> JobPlan:
     """``eval``'s plan: ``windows(document tokens, length)`` is the protocol's window count; ``documents`` the
     chosen documents' token counts. Under truncate one forward per document serves every length (``shared``). Its
     groups are what the sweep deals to processes: per method, each forward length's windows over all documents.
-    ``split``: processes sharing each window (``--sequence-parallel``, ``--tp-plan``)."""
+    ``split``: processes sharing each window (``--sequence-parallel``, ``--tp-plan``). ``models``: 2 with
+    ``--compare-to``, the same work on the compared model."""
     groups: list[tuple[int, ...]] = []
     for spec in methods:
         if protocol == "truncate" and shared:
@@ -197,9 +199,9 @@ def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[
             groups += [tuple(n for _ in documents) for n in sorted(set(per_document))]
         else:
             groups += [tuple(n for tokens in documents for _ in range(windows(tokens, n))) for n in lengths]
-    groups = [g for g in groups if g]
+    groups = [g for g in groups if g] * models
     what = (f"{len(methods)} method(s) x {len(lengths)} length(s) ({', '.join(f'{n:,}' for n in lengths)}) x "
-            f"{len(documents)} document(s), {protocol}")
+            f"{len(documents)} document(s){' x 2 models (--compare-to)' if models == 2 else ''}, {protocol}")
     if protocol == "sliding":
         shrink = "a larger --stride (or --protocol truncate)"
     elif len(documents) > 1:
