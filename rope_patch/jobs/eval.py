@@ -104,12 +104,11 @@ def run_eval(config: EvalConfig | None = None, /, **options: Any) -> EvalResult:
 
 @dataclass
 class Compared:
-    """The model ``--compare-to`` names, once its tokenizer is known to be this model's: its name, how reports name
-    it, and whether it was the default (the base a fine-tuned folder records)."""
+    """The model ``--compare-to`` names (or the recorded base), once its tokenizer is known to be this model's: its
+    name (``default``: the embedded model) and how reports name it."""
 
     name: str
     label: str
-    recorded: bool
 
 
 def compared_model(config: EvalConfig, tokenizer, *, main: bool) -> Compared | None:
@@ -123,6 +122,7 @@ def compared_model(config: EvalConfig, tokenizer, *, main: bool) -> Compared | N
     name = recorded_base(config.model) if recorded else config.compare_to
     if name is None:
         return None
+    label = model_label(None if name == EMBEDDED_BASE else name)
     try:
         path = model_path(None if name == EMBEDDED_BASE else name)
         if tokenizer_fingerprint(load_tokenizer(path, progress=config.progress)) != tokenizer_fingerprint(tokenizer):
@@ -133,13 +133,13 @@ def compared_model(config: EvalConfig, tokenizer, *, main: bool) -> Compared | N
             problem = str(error) if str(error).startswith("--compare-to") else f"--compare-to {name}: {error}"
             raise type(error)(problem) from None
         if main:
-            print(f"{JOB}: not comparing with the base {name} recorded in {Path(config.model) / TRAINING_MANIFEST}: "
+            print(f"{JOB}: not comparing with the base {label} recorded in {Path(config.model) / TRAINING_MANIFEST}: "
                   f"{error}; --compare-to BASE names it, --compare-to none leaves this line out", file=sys.stderr)
         return None
     if recorded and main:
-        print(f"{JOB}: comparing with the base {name} recorded in {Path(config.model) / TRAINING_MANIFEST}, on the "
+        print(f"{JOB}: comparing with the base {label} recorded in {Path(config.model) / TRAINING_MANIFEST}, on the "
               "same documents (--compare-to none leaves it out)", file=sys.stderr)
-    return Compared(name, model_label(None if name == EMBEDDED_BASE else name), recorded)
+    return Compared(name, label)
 
 
 def too_few_documents(config: EvalConfig, chosen: list, *, total: int, left_out: int, skipped: int,
