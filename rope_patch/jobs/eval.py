@@ -110,6 +110,11 @@ class Compared:
     name: str
     label: str
 
+    @property
+    def model(self) -> str | None:
+        """The name as ``--model`` takes it: None for the embedded model."""
+        return None if self.name == EMBEDDED_BASE else self.name
+
 
 def compared_model(config: EvalConfig, tokenizer, *, main: bool) -> Compared | None:
     """The model to score beside this one: ``--compare-to``'s, or by default (``auto``) the base that a fine-tuned
@@ -166,7 +171,7 @@ def _run(config: EvalConfig, loaded: LoadedModel | None, corpus, accelerator: Ac
     with accelerator.main_process_first():
         tokenized = tokenize_documents(loaded.tokenizer, corpus)
     left_out = []
-    for scored in [config.model] + ([compared.name] if compared else []):  # held out from both models
+    for scored in [config.model] + ([compared.model] if compared else []):  # held out from both models
         tokenized, dropped = leave_out_training(tokenized, scored, allow=config.allow_training_documents,
                                                 verb="score")
         if dropped and main:
@@ -277,7 +282,7 @@ def score_compared(config: EvalConfig, compared: Compared, rope: dict | None, ch
     (``ours``, its records).
     A compared model with no rope_patch scaling of its own first takes this model's (``rope``, what a fine-tune was
     trained with), so ``as-loaded`` on both differs only in the weights; returns the rows and a note saying so."""
-    other = dataclasses.replace(config, model=None if compared.name == EMBEDDED_BASE else compared.name)
+    other = dataclasses.replace(config, model=compared.model)
     loaded = other.load(None, device=accelerator.device)
     model = loaded.model
     settle_native_length(model, config.native_length, config.layer_types)
