@@ -376,7 +376,8 @@ EXPORT_RECORD = "rope_patch_export.json"  # what an export writes beside the mod
 EVALUATIONS = ("eval", "passkey", "lm-eval")  # each writes results.jsonl and summary.json
 JOB_FILES = {  # a file or folder each kind of job writes in its folder: how one written before JOB_MARKER is known
     "export": (EXPORT_RECORD,),
-    "finetune": ("finetune_config.yaml", "train_log.csv", "checkpoints", "training_documents.json"),
+    # (not training_documents.json, written after finetune_config.yaml: an export of a fine-tune carries it too)
+    "finetune": ("finetune_config.yaml", "train_log.csv", "checkpoints"),
     "search": ("search_config.yaml", "candidates.jsonl", "best_method.json"),
     "evaluation": ("results.jsonl",),  # eval, passkey or lm-eval: which one, only a marker says
 }

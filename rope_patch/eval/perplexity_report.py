@@ -2,8 +2,10 @@
 
 ``summarize`` turns per-document records (see ``rope_patch.eval.perplexity``) into one row per method × length,
 token-weighted with a bootstrap interval over documents, and at lengths up to the native one the *short-context cost*:
-the perplexity ratio to the unpatched model ("none") on the same documents, with a paired bootstrap interval;
-everything else only formats or draws those rows, so the terminal, the files and the plots always show the same numbers.
+the perplexity ratio to the unpatched model ("none") on the same documents, with a paired bootstrap interval.
+``compare`` does the same between two models (``eval --compare-to``: a fine-tune and its base) method by method.
+Everything else only formats or draws those rows, so the terminal, the files and the plots always show the same
+numbers.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from .sweep import MethodEntry
 SUMMARY_FIELDS = ("method", "name", "params", "length", "protocol", "stride", "bos", "perplexity", "ci_low", "ci_high",
                   "ratio_to_none", "ratio_low", "ratio_high", "documents", "tokens", "skipped", "shared_forward",
                   "status")
+COMPARISON_FIELDS = ("method", "compared_method", "length", "perplexity", "compared_perplexity", "ratio",
+                     "ratio_low", "ratio_high", "documents", "tokens", "status")
 REFERENCE = "none"  # the short-context cost is the ratio to this method's perplexity
 NAN = float("nan")
 
 
-def ratio_to_reference(cell: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]
-                       ) -> tuple[float, float, float]:
+def ratio_to_reference(cell: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]], *,
+                       against: str = REFERENCE) -> tuple[float, float, float]:
     """``(ratio, low, high)``: a method's token-weighted perplexity over the reference's on the documents both scored,
     exp(Σ (NLL − NLL_ref) / Σ tokens), and its 95 % paired bootstrap interval. The resampled units are the (document,
     position bin) blocks of the records, the same blocks for both, so the interval exists for a single document; NaN
@@ -44,7 +48,7 @@ def ratio_to_reference(cell: Sequence[Mapping[str, Any]], reference: Sequence[Ma
     difference, tokens = [], []
     for mine, theirs in shared:
         if list(mine["position_tokens"]) != list(theirs["position_tokens"]):  # not the same windows: cannot pair
-            raise DataError(f"document {mine['document']}: {mine['method']} and {REFERENCE} scored different tokens "
+            raise DataError(f"document {mine['document']}: {mine['method']} and {against} scored different tokens "
                             "at one length, so their perplexities cannot be paired; evaluate both in one run")
         counts = np.asarray(mine["position_tokens"], dtype=np.float64)
         keep = counts > 0
@@ -92,6 +96,59 @@ def summarize(
                 "shared_forward": any(r.get("forward_length", length) > length for r in cell), "status": status,
             })
     return rows
+
+
+def compare(records: Sequence[Mapping[str, Any]], compared: Sequence[Mapping[str, Any]],
+            pairs: Sequence[tuple[MethodEntry, MethodEntry]], lengths: Sequence[int], *, documents: int,
+            against: str) -> list[dict]:
+    """One row per (method, length): this model's and the compared model's (``against``) token-weighted perplexity on
+    the documents both scored, and the ratio of the two with its 95 % paired interval (``ratio_to_reference``).
+    ``pairs``: each method's entry on this model and on the compared one (their labels may differ: ``as-loaded``
+    carries each model's scaling). A cell that lacks any of the ``documents`` on either side is ``missing``, its
+    numbers those of the documents both have."""
+    rows = []
+    for mine, theirs in pairs:
+        for length in lengths:
+            cell = [r for r in records if r["method"] == mine.label and r["length"] == length]
+            other = [r for r in compared if r["method"] == theirs.label and r["length"] == length]
+            both = {r["document"] for r in cell} & {r["document"] for r in other}
+            cell, other = [r for r in cell if r["document"] in both], [r for r in other if r["document"] in both]
+            ratio = ratio_to_reference(cell, other, against=against) if both else (NAN, NAN, NAN)
+            rows.append({"method": mine.label, "compared_method": theirs.label, "length": int(length),
+                         "perplexity": perplexity(sum(r["nll"] for r in cell), sum(r["tokens"] for r in cell)),
+                         "compared_perplexity": perplexity(sum(r["nll"] for r in other),
+                                                           sum(r["tokens"] for r in other)),
+                         "ratio": ratio[0], "ratio_low": ratio[1], "ratio_high": ratio[2], "documents": len(both),
+                         "tokens": int(sum(r["tokens"] for r in cell)),
+                         "status": "ok" if len(both) == documents else "missing"})
+    return rows
+
+
+def comparison_table(rows: Sequence[Mapping[str, Any]], *, against: str, note: str = "") -> str:
+    """The comparison block: per method and length, the compared model's perplexity, this model's, and the change
+    with its 95 % paired interval, on the same documents; empty without rows."""
+    if not rows:
+        return ""
+    width = max([len("method")] + [len(r["method"]) for r in rows])
+    texts = [cost_text(r["ratio"], r["ratio_low"], r["ratio_high"]) + ("" if r["status"] == "ok" else " (part)")
+             for r in rows]
+    column = max([24] + [len(t) + 2 for t in texts])
+    header = (f"{'method'.ljust(width)}{'length':>9}{'compared':>12}{'this model':>12}"
+              f"{'change [95% paired]':>{column}}")
+    documents = max(r["documents"] for r in rows)
+    lines = [f"against {against}, on the same {documents} document{'s' if documents != 1 else ''}: perplexity of "
+             "each, and this model's change [95% paired bootstrap over (document, position bin) blocks]"
+             + (f"; {note}" if note else ""), header, "-" * len(header)]
+    lines += [f"{r['method'].ljust(width)}{r['length']:>9,}{_number(r['compared_perplexity']):>12}"
+              f"{_number(r['perplexity']):>12}{text:>{column}}" for r, text in zip(rows, texts)]
+    return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    """A perplexity as the tables print it; ``-`` for none (NaN: no token scored)."""
+    if np.isnan(value):
+        return "-"
+    return f"{value:.3g}" if not np.isfinite(value) or value >= 1000 else f"{value:.2f}"
 
 
 def _protocol_of(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -167,10 +224,10 @@ def _cell_text(row: Mapping[str, Any]) -> str:
 
 
 def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, *,
-               settings: Mapping[str, Any] | None = None) -> Path:
-    """The run's settings (model, data, dtype, protocol, ...) and the summary rows."""
+               settings: Mapping[str, Any] | None = None, comparison: Sequence[Mapping[str, Any]] = ()) -> Path:
+    """The run's settings (model, data, dtype, protocol, ...), the summary rows and the comparison's, if any."""
     summary = {"task": "perplexity", "protocol": _protocol_of(rows), "settings": dict(settings or {}),
-               "rows": [dict(r) for r in rows]}
+               "rows": [dict(r) for r in rows], **({"comparison": [dict(r) for r in comparison]} if comparison else {})}
     return atomic_write(path, json.dumps(summary, indent=2, default=str) + "\n")
 
 
@@ -257,13 +314,15 @@ def position_reference(rows: Sequence[Mapping[str, Any]], length: int) -> str | 
 
 
 def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]], output_dir: str | Path, *,
-                  settings: Mapping[str, Any] | None = None, native_length: int | None = None) -> dict[str, Path]:
+                  settings: Mapping[str, Any] | None = None, native_length: int | None = None,
+                  comparison: Sequence[Mapping[str, Any]] = ()) -> dict[str, Path]:
     """summary.csv, summary.json, perplexity.png and position_loss.png (at the longest length evaluated), each
-    figure titled with what it shows, on which documents, how scored, the model and the run."""
+    figure titled with what it shows, on which documents, how scored, the model and the run; with a ``comparison``
+    (``compare``'s rows), comparison.csv, and the rows in summary.json too."""
     out = Path(output_dir)
     data, protocol = (settings or {}).get("data", "the documents"), _protocol_brief(rows)
     files = {"csv": write_csv(rows, out / "summary.csv", SUMMARY_FIELDS),
-             "json": write_json(rows, out / "summary.json", settings=settings),
+             "json": write_json(rows, out / "summary.json", settings=settings, comparison=comparison),
              "perplexity plot": plot_perplexity(rows, out / "perplexity.png", native_length=native_length,
                                                 title=run_title(f"perplexity by length on {data}, {protocol}", settings))}
     done = [r["length"] for r in rows if r["status"] == "ok"]
@@ -273,6 +332,8 @@ def write_reports(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[s
         files["position plot"] = plot_position_loss(records, longest, out / "position_loss.png",
                                                     native_length=native_length, title=title,
                                                     reference=position_reference(rows, longest))
+    if comparison:
+        files["comparison"] = write_csv(comparison, out / "comparison.csv", COMPARISON_FIELDS)
     return files
 
 

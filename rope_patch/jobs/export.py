@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..data.heldout import TRAINING_MANIFEST, carry_training_manifest, training_manifest
 from ..errors import DiskFullError
 from ..eval.sweep import AS_LOADED
 from ..export import served_rope, serving_settings
@@ -55,6 +56,7 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
         return _run_retag(config, loaded)
     if config.print_args:
         return _print_args(config, loaded)
+    training_manifest(trained_on(config))  # an unreadable record refused now, before the model loads
     if loaded is None:
         loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
                               native_length=config.native_length, progress=config.progress)
@@ -106,9 +108,18 @@ def _print_args(config: ExportConfig, loaded) -> PrintedArgs:
     return PrintedArgs(settings, served_rope(model).label, where)
 
 
+def trained_on(config: ExportConfig) -> str | None:
+    """The folder whose ``training_documents.json`` (what a fine-tune trained on, and its base) the export carries:
+    ``--model``, or for a ``--gguf`` retag without it, the GGUF file's folder (an earlier export of a fine-tune)."""
+    if config.model is not None:
+        return config.model if Path(config.model).is_dir() else None
+    return str(Path(config.gguf).parent) if config.gguf is not None else None
+
+
 def _run_retag(config: ExportConfig, loaded) -> ExportResult:
     """``--gguf FILE``: the file's RoPE read and the method computed over it, checked against ``--model`` (if given),
     refused in one line before anything is written, then the file written anew with its RoPE replaced."""
+    training_manifest(trained_on(config))  # an unreadable record refused now, before anything is read
     retag = plan_retag(config.gguf, config.method, native_length=config.native_length,
                        longrope_short_equals_long=config.longrope_short_equals_long)
     if config.model is not None or loaded is not None:
@@ -151,7 +162,8 @@ def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: Servi
                 if settings.config_keys:  # what the engine reads beyond transformers' config (vLLM's DCA)
                     saved = json.loads((tmp / "config.json").read_text())
                     (tmp / "config.json").write_text(json.dumps({**saved, **settings.config_keys}, indent=2) + "\n")
-            (tmp / "README.md").write_text(readme(config, settings, label, model_label, plan))
+            carried = carry_training_manifest(trained_on(config), tmp)  # an eval of the export stays held-out
+            (tmp / "README.md").write_text(readme(config, settings, label, model_label, plan, carried is not None))
             record = {"engine": config.engine, "method": label, "model": model_label, "settings": describe(settings),
                       "gguf_rope": plan.keys if plan else None}
             (tmp / RECORD).write_text(json.dumps(record, indent=1, default=str) + "\n")
@@ -220,7 +232,7 @@ def _swap_into_place(tmp: Path, folder: Path) -> bool:
 
 
 def readme(config: ExportConfig, settings: ServingSettings, label: str, model_label: str,
-           plan: GgufRope | None) -> str:
+           plan: GgufRope | None, trained: bool = False) -> str:
     """The exported folder's README: what it holds and the exact commands that serve it."""
     engine = ENGINE_NAMES[settings.engine]
     retagged = f" --gguf {Path(config.gguf).name}" if config.gguf else ""
@@ -247,4 +259,8 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
                   json.dumps(plan.keys, indent=1), "```", ""]
     if config.longrope_short_equals_long:
         lines += ["LongRoPE: the long factors are used at every length (`--longrope-short-equals-long`).", ""]
+    if trained:
+        lines += [f"`{TRAINING_MANIFEST}`: the documents the fine-tune trained on and the model it started from, "
+                  "carried from the fine-tuned folder: `rope-patch eval` of this folder leaves those documents out "
+                  "and compares with that base.", ""]
     return "\n".join(lines)

@@ -235,7 +235,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                           f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
                           f"; {engine_name(accelerator)}" + (f"\n{pieces}" if pieces else ""))
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
-        write_training_manifest(output, trained.sources)  # what an eval of this folder leaves out
+        write_training_manifest(output, trained.sources, base=config.model)  # what an eval of this folder leaves out
 
     sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
         else nullcontext()

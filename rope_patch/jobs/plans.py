@@ -203,14 +203,15 @@ def eval_forwards(methods: Sequence[str], lengths: Sequence[int]) -> list[int]:
 
 def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[[int, int], int],
               documents: Sequence[int], *, protocol: str, shared: bool = True, split: int = 1,
-              left: Sequence[tuple[int, ...]] | None = None, whole: Sequence[tuple[int, ...]] | None = None
-              ) -> JobPlan:
+              left: Sequence[tuple[int, ...]] | None = None, whole: Sequence[tuple[int, ...]] | None = None,
+              models: int = 1) -> JobPlan:
     """``eval``'s plan: ``windows(document tokens, length)`` is the protocol's window count; ``documents`` the
     chosen documents' token counts. Under truncate one forward per document serves every length (``shared``). Its
     groups are what the sweep deals to processes: per method, each forward length's windows over all documents.
     ``split``: processes sharing each window (``--sequence-parallel``, ``--tp-plan``). ``left``: the groups the sweep
     still has to run (``eval.perplexity.forwards_left``, what its bar counts), which a resumed run plans instead, and
-    ``whole``: the same with nothing finished."""
+    ``whole``: the same with nothing finished. ``models``: 2 with ``--compare-to``, the same work on the compared
+    model (its own store's finished rows not subtracted: an upper bound on a resumed run)."""
     groups: list[tuple[int, ...]] = []
     for spec in methods:
         if protocol == "truncate" and shared:
@@ -226,8 +227,9 @@ def eval_plan(methods: Sequence[str], lengths: Sequence[int], windows: Callable[
         rest = sum(map(sum, groups))
         notes = (f"resuming: {everything - rest:,} of {everything:,} tokens already scored in the output folder; this plan is "
                  "the rest",) if rest < everything else ()
+    groups = groups * models
     what = (f"{len(methods)} method(s) x {len(lengths)} length(s) ({', '.join(f'{n:,}' for n in lengths)}) x "
-            f"{len(documents)} document(s), {protocol}")
+            f"{len(documents)} document(s){' x 2 models (--compare-to)' if models == 2 else ''}, {protocol}")
     if protocol == "sliding":
         shrink = "a larger --stride (or --protocol truncate)"
     elif len(documents) > 1:

@@ -8,6 +8,7 @@ transformers' own rotary implementation of each method (``ROPE_INIT_FUNCTIONS``)
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import rope_patch
 from rope_patch.cli import main
+from rope_patch.data.heldout import TRAINING_MANIFEST
 from rope_patch.errors import ConfigError, EngineUnsupportedError, NativeLengthError
 from rope_patch.export.gguf import check_same_rope, plan_retag, read_gguf_rope, retag_gguf, write_gguf
 from rope_patch.loading import default_gguf_path
@@ -258,11 +260,31 @@ def test_the_command_line_writes_the_retag_and_refuses_in_one_line(tmp_path, cap
                  str(tmp_path / "out")]) == 0
     assert tensors(tmp_path / "out" / "model.gguf") == tensors(source)
     assert keys(tmp_path / "out" / "model.gguf")["qwen2.rope.scaling.type"][0] == "yarn"
+    assert not (tmp_path / "out" / TRAINING_MANIFEST).exists()  # no fine-tune's record beside the file
     capsys.readouterr()
     assert main(["export", "--engine", "llama.cpp", "--gguf", str(source), "--method", "llama3:factor=2",
                  "--output", str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "rope_freqs" in err and not (tmp_path / "out2").exists()
+
+
+def test_a_retag_carries_the_record_of_what_the_file_was_fine_tuned_on(tmp_path, capsys):
+    """A GGUF in an export of a fine-tuned folder sits beside its training_documents.json: the retag carries it, so an
+    eval of the new folder still leaves the training documents out; a damaged record is one line, nothing written."""
+    folder = tmp_path / "tuned-export"
+    folder.mkdir()
+    source = synthetic_gguf(folder / "model.gguf")
+    record = {"source": "stdlib", "base": "default", "documents": [{"id": "a.py", "tokens": 3, "hash": "00ff"}]}
+    (folder / TRAINING_MANIFEST).write_text(json.dumps(record))
+    argv = ["export", "--engine", "llama.cpp", "--gguf", str(source), "--method", "yarn:factor=2", "--output"]
+    assert main([*argv, str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / TRAINING_MANIFEST).read_text()) == record
+    capsys.readouterr()
+    (folder / TRAINING_MANIFEST).write_text('{"documents": 3}')
+    assert main([*argv, str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{folder / TRAINING_MANIFEST} is unreadable" in err
+    assert not (tmp_path / "out2").exists()
 
 
 def test_yaml_config_takes_the_gguf_field(tmp_path):

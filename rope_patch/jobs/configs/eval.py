@@ -17,7 +17,13 @@ DATASET_HELP = ("hub data set name, or a local .txt/.jsonl/.parquet file or fold
 # `finetune --dataset X` followed by `eval --dataset X` never scores the documents it trained on.
 EVAL_SPLIT_HELP = ("split of a hub data set (default: test, held-out text; finetune trains on train, so the two never "
                    "share documents)")
-DOCUMENTS_HELP = "evaluate this many documents, sampled with --seed (default: all long enough)"
+DOCUMENTS_HELP = ("evaluate this many documents, sampled with --seed (default: all long enough); a run with fewer to "
+                  "give is refused")
+COMPARE_AUTO, COMPARE_NONE = "auto", "none"
+COMPARE_HELP = ("also score this model (a hub id, a folder, or 'default' for the embedded one) on the same documents "
+                "with the same methods, and report --model's perplexity change against it with its 95% paired "
+                "interval: auto compares a fine-tuned --model (or an export of one) with the base its "
+                "training_documents.json records, none with nothing")
 
 
 @dataclass
@@ -50,6 +56,7 @@ class EvalConfig(SweepConfig):
     allow_training_documents: bool = option(False, "score documents a fine-tuned --model was trained on (its "
                                                    "training_documents.json); by default they are left out, and a "
                                                    "run with nothing else to score is refused")
+    compare_to: str = option(COMPARE_AUTO, COMPARE_HELP, metavar="MODEL", model=True)
     loss_chunk: int = option(1024, "tokens per slice through the output head; full-vocabulary logits never exist for more")
     report_to: list[str] = report_to_option()
     output: str | None = option("runs/eval", "folder for results.jsonl (resumable), summary.csv/.json and plots, "
