@@ -107,8 +107,8 @@ def carry_training_manifest(source: str | os.PathLike | None, folder: str | os.P
     if body is None:
         return None
     base = recorded_base(source)
-    carried = {"source": body.get("source"), **({"base": base} if base is not None else {}),
-               "documents": body["documents"]}
+    carried = {"source": body.get("source"), **({"sources": body["sources"]} if "sources" in body else {}),
+               **({"base": base} if base is not None else {}), "documents": body["documents"]}
     return atomic_write(Path(folder) / TRAINING_MANIFEST, json.dumps(carried, indent=1) + "\n")
 
 
