@@ -14,8 +14,9 @@ The rules come from each engine's source, read where rope_patch could not check 
 - llama.cpp (``llama-model.cpp``, ``llama-context.cpp``, ``ggml-cpu/ops.cpp``) reads ``rope.freq_base``,
   ``rope.scaling.{type,factor,original_context_length,attn_factor}`` and per-pair divisors (``rope_freqs``, or
   LongRoPE's ``rope_factors_long``/``_short`` chosen by the configured context, not the current length), never
-  YaRN's betas, and has no dynamic scaling. Any static per-pair frequencies with one attention factor are exact
-  through ``rope_freqs`` (``rope_patch.export.gguf``).
+  YaRN's betas from the file (its command line's ``--yarn-beta-fast``/``--yarn-beta-slow`` set them), and has no
+  dynamic scaling. Any static per-pair frequencies with one attention factor are exact through ``rope_freqs``
+  (``rope_patch.export.gguf``).
 - No engine has Self-Extend or ReRoPE (llama.cpp keeps group attention in its CLI tools only).
 - vLLM has Dual Chunk Attention (``dual_chunk_attention_config``: ``DualChunkRotaryEmbedding`` in
   ``model_executor/layers/rotary_embedding/dual_chunk_rope.py``, the ``DUAL_CHUNK_FLASH_ATTN`` backend of its V0
@@ -142,13 +143,15 @@ def _config_spells(model: nn.Module, method: str, base: RopeBase, params: dict) 
 YARN_BETAS = (32.0, 1.0)  # the only betas llama.cpp's common path uses (it reads none from the file)
 
 
-def gguf_carrier(rope: ServedRope) -> str:
+def gguf_carrier(rope: ServedRope, *, flags: bool = False) -> str:
     """How a GGUF carries ``rope`` to llama.cpp: ``"keys"`` (rope.freq_base and rope.scaling.* alone), ``"longrope"``
-    (the two factor lists) or ``"rope_freqs"`` (per-pair divisors: any other static frequencies)."""
+    (the two factor lists) or ``"rope_freqs"`` (per-pair divisors: any other static frequencies). ``flags``: how the
+    command line carries it instead, where ``--yarn-beta-fast``/``--yarn-beta-slow`` take any YaRN betas (the file
+    has no key for them: llama-model.cpp reads none)."""
     p = rope.params
     if rope.method in ("none", "base", "ntk", "linear"):
         return "keys"
-    if rope.method == "yarn" and (p["beta_fast"], p["beta_slow"]) == YARN_BETAS and p.get("truncate", True):
+    if rope.method == "yarn" and p.get("truncate", True) and (flags or (p["beta_fast"], p["beta_slow"]) == YARN_BETAS):
         return "keys"
     return "longrope" if rope.method == "longrope" else "rope_freqs"
 
@@ -214,8 +217,9 @@ RULES: dict[str, dict[str, Rule]] = {
 ATTENTION_REASON = "no engine has Self-Extend or ReRoPE: serve the frequency method alone, or use rope_patch"
 
 
-def _refusal(engine: str, rope: ServedRope, short_equals_long: bool) -> str | None:
-    """Why ``engine`` cannot serve ``rope`` exactly, or None."""
+def _refusal(engine: str, rope: ServedRope, short_equals_long: bool, flags: bool = False) -> str | None:
+    """Why ``engine`` cannot serve ``rope`` exactly, or None (``flags``: llama.cpp's command-line flags on the
+    original file, not a GGUF of rope_patch's)."""
     if rope.attention:
         return f"the attention-level method {rope.attention}: {ATTENTION_REASON}"
     rule = RULES[engine].get(rope.method)
@@ -237,7 +241,7 @@ def _refusal(engine: str, rope: ServedRope, short_equals_long: bool) -> str | No
             return (f"model_type {rope.model_type!r}: rope_patch writes GGUF for {', '.join(GGUF_ARCHITECTURES)} "
                     "only; convert this family with llama.cpp's convert_hf_to_gguf.py, then retag its GGUF with "
                     "export --gguf FILE")
-        carrier = gguf_carrier(rope)
+        carrier = gguf_carrier(rope, flags=flags)
         if carrier != "keys" and carrier not in LLAMA_CPP_ARCHITECTURES.get(arch, ()):
             return (f"{rope.method} needs {CARRIER_TENSORS[carrier]}, which llama.cpp's {arch} architecture does not "
                     "read (its graph passes no frequency factors to ggml_rope_ext); choose none, base, ntk, linear "
@@ -282,9 +286,10 @@ def serving_settings(model: nn.Module, engine: str, *, longrope_short_equals_lon
 
 
 def rope_settings(rope: ServedRope, engine: str, *, longrope_short_equals_long: bool = False, folder: str = "DIR",
-                  partial_rotary_factor: float | None = None) -> ServingSettings:
-    """``serving_settings`` for a RoPE (a model's, or one read from a GGUF file), or EngineUnsupportedError."""
-    reason = _refusal(engine, rope, longrope_short_equals_long)
+                  partial_rotary_factor: float | None = None, flags: bool = False) -> ServingSettings:
+    """``serving_settings`` for a RoPE (a model's, or one read from a GGUF file), or EngineUnsupportedError.
+    ``flags``: llama.cpp serves it through its command-line flags on the original file (export --print-args)."""
+    reason = _refusal(engine, rope, longrope_short_equals_long, flags)
     if reason is not None:
         raise EngineUnsupportedError(f"{ENGINE_NAMES[engine]} cannot serve {rope.label} exactly: {reason}")
     parameters = rope.transformers_parameters()
@@ -306,8 +311,11 @@ LLAMA_ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # llama.h: LLAMA_ROPE_
 def llama_cpp_overrides(rope: ServedRope) -> dict[str, Any]:
     """llama.cpp's run-time RoPE settings for ``rope`` on the unmodified file, as llama-cpp-python's ``Llama()``
     keywords (the command line's flags are these, ``original_arguments``); EngineUnsupportedError for a method the
-    file itself must carry (per-pair factors: rope_freqs or LongRoPE's lists)."""
-    carrier = gguf_carrier(rope)
+    file itself must carry (per-pair factors: rope_freqs or LongRoPE's lists). YaRN's betas, when not llama.cpp's
+    defaults (32, 1: common.h's yarn_beta_fast/slow), go as ``yarn_beta_fast``/``yarn_beta_slow``: llama.cpp's ramp
+    (ggml_rope_yarn_corr_dims, rope_yarn_ramp) is then transformers' with the same betas, which a GGUF can only
+    carry as rope_freqs divisors."""
+    carrier = gguf_carrier(rope, flags=True)
     if carrier != "keys":
         raise EngineUnsupportedError(
             f"llama.cpp cannot take {rope.label} as command-line flags: {rope.method} needs "
@@ -317,8 +325,10 @@ def llama_cpp_overrides(rope: ServedRope) -> dict[str, Any]:
     if rope.method == "linear":
         return {"rope_scaling_type": LLAMA_ROPE_SCALING["linear"], "rope_freq_scale": 1 / p["factor"]}
     if rope.method == "yarn":
+        betas = {} if (p["beta_fast"], p["beta_slow"]) == YARN_BETAS else \
+            {"yarn_beta_fast": float(p["beta_fast"]), "yarn_beta_slow": float(p["beta_slow"])}
         return {"rope_scaling_type": LLAMA_ROPE_SCALING["yarn"], "rope_freq_scale": 1 / p["factor"],
-                "yarn_orig_ctx": int(p["original_max_position_embeddings"])}
+                "yarn_orig_ctx": int(p["original_max_position_embeddings"]), **betas}
     if rope.method in ("ntk", "base"):
         theta = ntk_theta(rope.base.rope_theta, p["factor"], rope.base.dim) if rope.method == "ntk" \
             else p["rope_theta"]
@@ -350,6 +360,9 @@ def original_arguments(engine: str, rope: ServedRope, overrides: dict, length: i
         flags += ["--rope-scale", f"{1 / kwargs['rope_freq_scale']:.17g}"]
     if "yarn_orig_ctx" in kwargs:
         flags += ["--yarn-orig-ctx", str(kwargs["yarn_orig_ctx"])]
+    for name in ("yarn_beta_fast", "yarn_beta_slow"):
+        if name in kwargs:
+            flags += ["--" + name.replace("_", "-"), f"{kwargs[name]:.17g}"]
     if "rope_freq_base" in kwargs:
         flags += ["--rope-freq-base", f"{kwargs['rope_freq_base']:.17g}"]
     return flags + ["--ctx-size", str(length)], None, kwargs
@@ -364,7 +377,7 @@ def print_args_settings(model: nn.Module, engine: str, *, longrope_short_equals_
         rope = served_rope(model)
         arch = rope.gguf_architecture or GGUF_ARCHITECTURES.get(rope.model_type, "the original GGUF's")
         settings = rope_settings(replace(rope, gguf_architecture=arch), engine,
-                                 longrope_short_equals_long=longrope_short_equals_long)
+                                 longrope_short_equals_long=longrope_short_equals_long, flags=True)
     else:
         settings = serving_settings(model, engine, longrope_short_equals_long=longrope_short_equals_long)
     if settings.original_args is None:

@@ -6,8 +6,10 @@ the overrides scripts/check_engines.py measured on llama.cpp before (REFERENCE.m
 from __future__ import annotations
 
 import json
+import math
 import shlex
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -69,9 +71,63 @@ def test_llama_cpp_flags(tiny_folder, spec, flags, keywords):
     assert LLAMA_ROPE_SCALING == {"none": 0, "linear": 1, "yarn": 2}  # llama.h's LLAMA_ROPE_SCALING_TYPE_*
 
 
+def llama_cpp_rope(d: int, base: float, kind: str, freq_scale: float, n_orig: int, beta_fast: float,
+                   beta_slow: float, attn_factor: float, rope_freqs) -> tuple[np.ndarray, float]:
+    """The per-pair frequency (angle = position × it) and the cos/sin scale llama.cpp's CPU rope computes, written out
+    from its source in float64: llama-context.cpp (ext_factor 1 for yarn, else 0), ggml.c's ggml_rope_yarn_corr_dims
+    (floor/ceil, clamped to [0, d − 1]), ggml-cpu's rope_yarn and rope_yarn_ramp (the ramp over i0/2 = i, the
+    temperature 1 + 0.1·ln(1/freq_scale) when ext_factor ≠ 0)."""
+    ext_factor = 1.0 if kind == "yarn" else 0.0
+
+    def corr_dim(rotations: float) -> float:
+        return d * math.log(n_orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(0.0, math.floor(corr_dim(beta_fast))), min(d - 1.0, math.ceil(corr_dim(beta_slow)))
+    i = np.arange(d // 2, dtype=np.float64)
+    extrap = base ** (-2 * i / d) / np.asarray(rope_freqs, dtype=np.float64)
+    interp = freq_scale * extrap
+    ramp_mix = (1 - np.clip((i - low) / max(0.001, high - low), 0, 1)) * ext_factor
+    mscale = attn_factor * (1 + 0.1 * math.log(1 / freq_scale) if ext_factor else 1.0)
+    return interp * (1 - ramp_mix) + extrap * ramp_mix, mscale
+
+
+# the issue's spec, and betas that both move the ramp on the tiny model (d = 16, 64 native tokens: a wrong beta
+# printed changes the frequencies by 60 % or more)
+@pytest.mark.parametrize("spec", ["yarn:factor=2,beta_fast=16", "yarn:factor=4,beta_fast=1,beta_slow=0.25"])
+def test_llama_cpp_beta_flags_give_what_the_retag_writes(tiny_folder, spec):
+    """YaRN at other betas: the printed --yarn-beta-fast/--yarn-beta-slow on the unmodified file, and the GGUF keys
+    and rope_freqs tensor a retag (or export) writes, through llama.cpp's arithmetic: the same frequencies and
+    temperature. (scripts/check_engines.py --engine llama.cpp-retag / -flags run llama.cpp itself on them.)"""
+    from rope_patch.export import served_rope
+    from rope_patch.export.gguf import gguf_rope
+    from rope_patch.loading import load_structure
+
+    folder, _ = tiny_folder
+    printed = run_export(engine="llama.cpp", method=spec, model=str(folder), print_args=True)
+    words = shlex.split(printed.command)
+    flags = {w: words[k + 1] for k, w in enumerate(words) if w.startswith("--")}
+    assert flags["--rope-scaling"] == "yarn" and {"--yarn-beta-fast", "--yarn-beta-slow"} <= set(flags)
+    model = load_structure(str(folder))
+    name, params = rope_patch.parse_method_spec(spec)
+    rope_patch.patch(model, name, **params)
+    retag = gguf_rope(served_rope(model))
+    keys, tensors = retag.keys, retag.tensors
+    assert keys["rope.scaling.type"] == "none" and "rope_freqs.weight" in tensors  # the file needs the tensor
+    d, base = keys["rope.dimension_count"], keys["rope.freq_base"]
+    ours = llama_cpp_rope(d, base, "yarn", 1 / float(flags["--rope-scale"]), int(flags["--yarn-orig-ctx"]),
+                          float(flags["--yarn-beta-fast"]), float(flags["--yarn-beta-slow"]), 1.0, np.ones(d // 2))
+    theirs = llama_cpp_rope(d, base, "none", 1.0, keys["context_length"], 32.0, 1.0,
+                            keys.get("rope.scaling.attn_factor", 1.0), tensors["rope_freqs.weight"])
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-6)  # rope_freqs is fp32
+    assert math.isclose(ours[1], theirs[1], rel_tol=1e-12)
+    assert {"yarn_beta_fast", "yarn_beta_slow"} <= set(printed.settings.llama_cpp_overrides)  # llama-cpp-python's
+    default = run_export(engine="llama.cpp", method="yarn:factor=2", model=str(folder), print_args=True)
+    assert "--yarn-beta-fast" not in default.command  # llama.cpp's own defaults, 32 and 1: not repeated
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--engine", "llama.cpp", "--method", "llama3:factor=2"], "needs the rope_freqs tensor in the GGUF file"),
-    (["--engine", "llama.cpp", "--method", "yarn:factor=2,beta_fast=64"], "rope_freqs tensor"),
+    (["--engine", "llama.cpp", "--method", "yarn:factor=2,truncate=false"], "rope_freqs tensor"),
     (["--engine", "vllm", "--method", "dynamic_ntk:factor=2"], "vLLM cannot serve dynamic_ntk"),
     (["--engine", "transformers", "--method", "yarn:factor=2"], "config.json only"),
     (["--engine", "vllm", "--method", "yarn:factor=2", "--output", "x"], "writes nothing: drop --output"),
