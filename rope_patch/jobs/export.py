@@ -16,8 +16,8 @@ from typing import Any
 from ..errors import DiskFullError
 from ..eval.sweep import AS_LOADED
 from ..export import served_rope, serving_settings
-from ..export.engines import (ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command,
-                              print_args_settings, rope_settings)
+from ..export.engines import (ENGINE_NAMES, GGUF_FILE, ROPE_PARAMETERS_READERS, ServingSettings, describe,
+                              override_command, print_args_settings, rope_settings)
 from ..export.gguf import GgufRetag, GgufRope, check_same_rope, plan_retag, retag_gguf, write_gguf
 from ..files import (LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_files, sync_folder,
                      write_problem)
@@ -88,6 +88,9 @@ class PrintedArgs:
         engine = ENGINE_NAMES[self.settings.engine]
         lines = [f"# {engine} serving the unmodified {self.model} with {self.label}, context "
                  f"{self.settings.max_model_len} tokens:", self.command]
+        if self.settings.engine in ROPE_PARAMETERS_READERS and "rope_parameters" in self.settings.overrides:
+            lines.append(f"# rope_parameters (transformers 5's key) is read by "
+                         f"{ROPE_PARAMETERS_READERS[self.settings.engine]}")
         if self.settings.overrides:
             lines += ["# the override alone:", json.dumps(self.settings.overrides)]
         return "\n".join(lines)
@@ -234,6 +237,9 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
     if alternative:
         lines += ["Or serve the original model with the same settings given at load time:", "", "```bash",
                   alternative, "```", ""]
+        if settings.engine in ROPE_PARAMETERS_READERS and "rope_parameters" in settings.overrides:
+            lines += [f"`rope_parameters` (transformers 5's key) is read by "
+                      f"{ROPE_PARAMETERS_READERS[settings.engine]}.", ""]
     lines += [f"Context: {settings.max_model_len} tokens.", "", "RoPE (`rope_parameters`):", "", "```json",
               json.dumps(settings.rope_parameters, indent=1), "```", ""]
     if config.gguf:

@@ -139,6 +139,16 @@ def test_what_cannot_be_printed_is_refused_in_one_line(tiny_folder, capsys, argv
     assert words in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("engine, change", [("vllm", "PR #28542"), ("sglang", "PR #14745")])
+def test_the_printed_override_says_which_release_reads_rope_parameters(tiny_folder, tmp_path, engine, change):
+    folder, _ = tiny_folder
+    printed = run_export(engine=engine, method="yarn:factor=2", model=str(folder), print_args=True)
+    (note,) = [line for line in str(printed).splitlines() if "rope_parameters (transformers 5's key)" in line]
+    assert note.startswith("# ") and change in note and "rope_scaling" in note
+    config = ExportConfig(engine=engine, method="yarn:factor=2", model=str(folder), output=str(tmp_path / "x"))
+    assert change in readme(config, printed.settings, "yarn:factor=2", "tiny", None)
+
+
 def test_the_export_readme_shows_the_same_override(tiny_folder, tmp_path):
     folder, _ = tiny_folder
     for engine in ("vllm", "sglang"):
