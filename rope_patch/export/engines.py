@@ -39,9 +39,8 @@ from torch import nn
 
 from ..choices import SERVING_ENGINES
 from ..errors import EngineUnsupportedError
-from ..methods import RopeBase, available_methods, frequency_and_attention, get_method, method_label, resolve_params
-from ..methods import ntk_theta, yarn_attention_factor
-from ..patching import patch_state, primary_rotary, rotary_setup
+from ..methods import RopeBase, available_methods, compute_frequencies, frequency_and_attention, get_method
+from ..methods import method_label, ntk_theta, resolve_params, yarn_attention_factor
 
 ENGINES = SERVING_ENGINES
 ENGINE_NAMES = {"transformers": "transformers", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
@@ -91,6 +90,8 @@ class ServedRope:
 
 def served_rope(model: nn.Module) -> ServedRope:
     """The RoPE ``model`` runs now: the rope_patch patch applied to it, else the scaling its config carries."""
+    from ..patching import patch_state, primary_rotary, rotary_setup  # here: export --print-args reads configs only
+
     state = patch_state(model)
     model_type = getattr(model.config, "model_type", "")
     if state is not None:
@@ -127,7 +128,46 @@ def served_rope(model: nn.Module) -> ServedRope:
 
 def _rope_parameters(model: nn.Module) -> dict:
     """The rope_parameters of the config the rotary module reads (a multimodal model's text config: Gemma 3's)."""
+    from ..patching import primary_rotary
+
     return getattr(primary_rotary(model)[1].config, "rope_parameters", None) or {}
+
+
+# Families whose config.json alone gives the RoPE a patch computes: one rotary module over the whole head
+# (head_dim, else hidden_size / num_attention_heads), θ_i = rope_theta^(−2i/d), nothing else in rope_parameters.
+# tests/export/test_print_args.py checks each against the model read without weights (served_rope of the patch).
+CONFIG_ONLY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_PATCH_RECORD = "rope_patch"  # config.json's key where rope_patch saves a patch (patching/record.py's CONFIG_KEY)
+
+
+def config_served_rope(config: dict, spec: str, native_length: int | None = None) -> ServedRope | None:
+    """``served_rope`` of the model ``config`` (a config.json's contents) describes, patched with ``spec``, computed
+    from the config alone (no transformers, no model: ``export --print-args`` answers in the time torch takes to
+    import); None where only the model can tell (another family, a scaled or recorded RoPE, partial rotary, an
+    attention-level method): the caller then reads the model. Refuses bad parameters as ``patch`` does."""
+    if config.get("model_type") not in CONFIG_ONLY_FAMILIES or ROPE_PATCH_RECORD in config:
+        return None
+    rope = config.get("rope_parameters")
+    if rope is None and config.get("rope_scaling") is None and "rope_theta" in config:  # a transformers 4.x file
+        rope = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if (not isinstance(rope, dict) or rope.get("rope_type", "default") != "default"
+            or set(rope) - {"rope_type", "rope_theta"} or "original_max_position_embeddings" in config
+            or config.get("partial_rotary_factor", 1.0) != 1.0):
+        return None
+    try:
+        heads = int(config["num_attention_heads"])
+        dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        base = RopeBase(rope_theta=float(rope["rope_theta"]), dim=dim,
+                        native_length=int(native_length or config["max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError):
+        return None  # the model's own reading says what is wrong
+    frequency, attention = frequency_and_attention(spec)
+    if attention is not None or frequency is None:
+        return None
+    name, given = frequency
+    params = resolve_params(name, base, given)
+    compute_frequencies(name, base, params, None)  # the registry's check of the output, as patch runs it
+    return ServedRope(name, params, base, method_label(name, given), None, False, True, config["model_type"])
 
 
 def _config_spells(model: nn.Module, method: str, base: RopeBase, params: dict) -> bool:
@@ -386,14 +426,21 @@ def print_args_settings(model: nn.Module, engine: str, *, longrope_short_equals_
     llama.cpp, any architecture its own converter wrote (the flags touch no tensor), refused in one line for a method
     the file must carry."""
     if engine == "llama.cpp":
-        rope = served_rope(model)
-        arch = rope.gguf_architecture or GGUF_ARCHITECTURES.get(rope.model_type, "the original GGUF's")
-        settings = rope_settings(replace(rope, gguf_architecture=arch), engine,
-                                 longrope_short_equals_long=longrope_short_equals_long, flags=True)
-    else:
-        settings = serving_settings(model, engine, longrope_short_equals_long=longrope_short_equals_long)
+        return llama_cpp_settings(served_rope(model), longrope_short_equals_long=longrope_short_equals_long)
+    return _with_original_args(serving_settings(model, engine, longrope_short_equals_long=longrope_short_equals_long))
+
+
+def llama_cpp_settings(rope: ServedRope, *, longrope_short_equals_long: bool = False) -> ServingSettings:
+    """``print_args_settings`` for llama.cpp from the RoPE alone: its flags on the original GGUF, or refused."""
+    arch = rope.gguf_architecture or GGUF_ARCHITECTURES.get(rope.model_type, "the original GGUF's")
+    return _with_original_args(rope_settings(replace(rope, gguf_architecture=arch), "llama.cpp",
+                                             longrope_short_equals_long=longrope_short_equals_long, flags=True))
+
+
+def _with_original_args(settings: ServingSettings) -> ServingSettings:
     if settings.original_args is None:
-        raise EngineUnsupportedError(settings.original_refusal or f"{ENGINE_NAMES[engine]}: no load-time override")
+        raise EngineUnsupportedError(settings.original_refusal or
+                                     f"{ENGINE_NAMES[settings.engine]}: no load-time override")
     return settings
 
 

@@ -11,21 +11,25 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..choices import AS_LOADED
 from ..errors import DiskFullError
-from ..eval.sweep import AS_LOADED
 from ..export import served_rope, serving_settings
-from ..export.engines import (ENGINE_NAMES, GGUF_FILE, ROPE_PARAMETERS_READERS, ServingSettings, describe,
-                              override_command, print_args_settings, rope_settings)
-from ..export.gguf import GgufRetag, GgufRope, check_same_rope, plan_retag, retag_gguf, write_gguf
+from ..export.engines import (ENGINE_NAMES, GGUF_FILE, ROPE_PARAMETERS_READERS, ServedRope, ServingSettings,
+                              _with_original_args, config_served_rope, describe, llama_cpp_settings, override_command, print_args_settings,
+                              rope_settings)
 from ..files import (LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_files, sync_folder,
                      write_problem)
-from ..loading import load_structure, model_path
+from ..hub import DEFAULT_MODEL_NAME, cache_dir
 from ..methods import parse_method_spec
-from ..patching import patch
-from .common import load_for_job, split_loaded
 from .configs.export import RECORD, ExportConfig, check_output
+
+if TYPE_CHECKING:
+    from ..export.gguf import GgufRetag, GgufRope
+
+# transformers' model classes, the GGUF writer and the model loaders are imported where an export needs them:
+# ``export --print-args`` of a model its config.json describes imports none of them (torch only, for the methods).
 
 @dataclass
 class ExportResult:
@@ -48,13 +52,20 @@ class ExportResult:
 def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportResult:
     """Load the model, patch it with ``method`` (unless as-loaded), check the engine can serve it, and write the
     folder atomically (a temporary sibling renamed into place: an interrupted export leaves no half folder)."""
-    options, loaded = split_loaded(options)
+    loaded = None
+    if not isinstance(options.get("model"), (str, os.PathLike, type(None))) or "tokenizer" in options:
+        from .common import split_loaded  # a model object given: what loads models (a name: nothing yet)
+
+        options, loaded = split_loaded(options)
     config = ExportConfig.from_options(config, **options)
     config.check_required()
     if config.gguf is not None:
         return _run_retag(config, loaded)
     if config.print_args:
         return _print_args(config, loaded)
+    from ..patching import patch
+    from .common import load_for_job
+
     if loaded is None:
         loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
                               native_length=config.native_length, progress=config.progress)
@@ -97,8 +108,20 @@ class PrintedArgs:
 
 
 def _print_args(config: ExportConfig, loaded) -> PrintedArgs:
-    """The model read without weights (its config and RoPE buffers), patched, its engine's arguments; refused in
-    one line as export refuses, before anything else."""
+    """The engine's arguments from the model's config.json alone where it describes the RoPE (``config_rope``),
+    else from the model read without weights (its config and RoPE buffers), patched; refused in one line as export
+    refuses, before anything else."""
+    if loaded is None and (found := config_rope(config)) is not None:
+        rope, folder = found
+        short_equals_long = config.longrope_short_equals_long
+        settings = (llama_cpp_settings(rope, longrope_short_equals_long=short_equals_long)
+                    if config.engine == "llama.cpp" else
+                    _with_original_args(rope_settings(rope, config.engine, longrope_short_equals_long=short_equals_long)))
+        where = "ORIGINAL.gguf" if config.engine == "llama.cpp" else str(folder)
+        return PrintedArgs(settings, rope.label, where)
+    from ..loading import load_structure, model_path
+    from ..patching import patch
+
     model = loaded.model if loaded is not None else load_structure(config.model, native_length=config.native_length)
     if config.method != AS_LOADED:
         name, params = parse_method_spec(config.method)
@@ -109,9 +132,35 @@ def _print_args(config: ExportConfig, loaded) -> PrintedArgs:
     return PrintedArgs(settings, served_rope(model).label, where)
 
 
+def config_rope(config: ExportConfig) -> tuple[ServedRope, Path] | None:
+    """The RoPE ``--print-args`` prints, from the model folder's config.json alone (the embedded model once
+    converted, or a local folder), and the folder; None where the model must be read: a hub id, an adapter folder,
+    a config this cannot read, or one ``config_served_rope`` leaves to the model."""
+    if config.model in (None, "", "default"):
+        folder = cache_dir() / "models" / DEFAULT_MODEL_NAME  # loading.default_model_folder()
+        if not (folder / "model.safetensors").is_file():
+            return None  # not converted yet: the model's path converts it
+    else:
+        folder = Path(config.model)
+        if not folder.is_dir() or (folder / "adapter_config.json").exists():
+            return None
+    try:
+        described = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the model's path says what is wrong, in one line
+    if not isinstance(described, dict):
+        return None
+    method = "none" if config.method == AS_LOADED else config.method
+    rope = config_served_rope(described, method, config.native_length)
+    return None if rope is None else (rope, folder)
+
+
 def _run_retag(config: ExportConfig, loaded) -> ExportResult:
     """``--gguf FILE``: the file's RoPE read and the method computed over it, checked against ``--model`` (if given),
     refused in one line before anything is written, then the file written anew with its RoPE replaced."""
+    from ..export.gguf import check_same_rope, plan_retag
+    from .common import load_for_job
+
     retag = plan_retag(config.gguf, config.method, native_length=config.native_length,
                        longrope_short_equals_long=config.longrope_short_equals_long)
     if config.model is not None or loaded is not None:
@@ -131,6 +180,8 @@ def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: Servi
     folder's lock (a second export of the folder is refused in one line). A kill at any point leaves ``folder``
     holding the earlier export or the new one, whole; the hidden leftovers of a killed export are removed by the next
     export of the folder. A full disk or a folder that cannot be written is one line, and the earlier export stays."""
+    from ..export.gguf import retag_gguf, write_gguf
+
     created = not folder.exists()
     with FolderLock(folder, job="rope-patch export", wait=False, claim=False):  # known by its RECORD
         place = folder.resolve()  # a symlinked --output: the folder it points to is replaced, the link kept
@@ -231,8 +282,12 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
              f"Written by `rope-patch export --engine {settings.engine}{retagged} --method '{config.method}'`. "
              f"The RoPE settings below make {engine} compute what rope_patch's patched model computes.", "",
              "Serve it:", "", "```bash", settings.serve_command, "```", ""]
-    original = ((config.gguf or "ORIGINAL.gguf") if settings.engine == "llama.cpp"
-                else str(config.model or model_path(None)))  # a name as given: the README names it, loads nothing
+    if settings.engine == "llama.cpp" or config.model:
+        original = (config.gguf or "ORIGINAL.gguf") if settings.engine == "llama.cpp" else str(config.model)
+    else:
+        from ..loading import model_path
+
+        original = str(model_path(None))  # a name as given: the README names it, loads nothing
     alternative = override_command(settings.engine, original, settings)
     if alternative:
         lines += ["Or serve the original model with the same settings given at load time:", "", "```bash",

@@ -193,3 +193,76 @@ def test_sglangs_reading_of_the_json_gives_the_patched_model_within_its_context(
     name, params = rope_patch.parse_method_spec(spec)
     with torch.no_grad(), rope_patch.patched(reference, name, **params):
         assert torch.allclose(served(input_ids=PROBE).logits, reference(input_ids=PROBE).logits, atol=1e-5)
+
+
+CONFIG_SPECS = ["none", "yarn:factor=2", "yarn:factor=4,beta_fast=16,beta_slow=2", "ntk:factor=4", "linear:factor=2",
+                "llama3:factor=2", "ntk_by_parts:factor=2", "dynamic_ntk:factor=2", "base:rope_theta=40000"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_rope_read_off_config_json_is_the_patched_models(family, tmp_path):
+    """config_served_rope (export --print-args without the model) against served_rope of the model read without its
+    weights and patched: every field, for each family it answers for, each method, with and without
+    --native-length."""
+    from rope_patch.export import served_rope
+    from rope_patch.export.engines import CONFIG_ONLY_FAMILIES, config_served_rope
+    from rope_patch.loading import load_structure
+    from tiny_models import family_config
+
+    assert family in CONFIG_ONLY_FAMILIES
+    family_config(family).save_pretrained(tmp_path)
+    described = json.loads((tmp_path / "config.json").read_text())
+    for native in (None, 48) if family == "llama" else (None,):
+        model = load_structure(str(tmp_path), native_length=native)
+        for spec in CONFIG_SPECS:
+            name, params = rope_patch.parse_method_spec(spec)
+            with rope_patch.patched(model, name, native_length=native, **params):
+                assert config_served_rope(described, spec, native) == served_rope(model), (spec, native)
+
+
+@pytest.mark.parametrize("family, change", [("phi3", {}), ("gpt_neox", {}), ("llama", {"rope_patch": {}}),
+                                            ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                           "rope_theta": 10000.0}}),
+                                            ("llama", {"partial_rotary_factor": 0.5})])
+def test_what_config_json_alone_cannot_say_is_left_to_the_model(family, change, tmp_path):
+    from rope_patch.export.engines import config_served_rope
+    from tiny_models import family_config
+
+    family_config(family).save_pretrained(tmp_path)
+    described = {**json.loads((tmp_path / "config.json").read_text()), **change}
+    assert config_served_rope(described, "yarn:factor=2") is None
+    assert config_served_rope(json.loads((tmp_path / "config.json").read_text()), "yarn:factor=2+rerope:window=16") \
+        is None  # an attention-level method: the model's layers are measured
+
+
+def test_print_args_of_a_plain_folder_reads_no_model(tiny_folder, monkeypatch):
+    """The issue's 10 s: --print-args of a folder whose config.json says it all loads no model and patches none (the
+    printed text is the model path's, checked above field by field)."""
+    import transformers
+
+    import rope_patch.jobs.export
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was read")
+
+    folder, _ = tiny_folder
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)  # load_structure's model
+    monkeypatch.setattr(rope_patch.jobs.export, "load_structure", refuse, raising=False)
+    monkeypatch.setattr(rope_patch.jobs.export, "patch", refuse, raising=False)
+    for engine in ("vllm", "sglang", "llama.cpp"):
+        printed = run_export(engine=engine, method="yarn:factor=2", model=str(folder), print_args=True)
+        assert printed.settings.max_model_len == 2 * NATIVE
+    with pytest.raises(rope_patch.RopePatchError, match="vLLM cannot serve dynamic_ntk"):
+        run_export(engine="vllm", method="dynamic_ntk:factor=2", model=str(folder), print_args=True)
+
+
+def test_transformers_print_args_is_refused_before_anything_loads(capsys):
+    """Refused from the options as given (the model folder need not exist, the method is not even parsed)."""
+    from rope_patch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="transformers reads the RoPE from config.json only"):
+        ExportConfig.check_runnable({"engine": "transformers", "print_args": True, "model": "/nonexistent/x"})
+    assert main(["export", "--engine", "transformers", "--method", "yran", "--model", "/nonexistent/x",
+                 "--print-args"]) == 2
+    err = capsys.readouterr().err
+    assert "export the folder with --output DIR" in err and err.count("\n") == 1
