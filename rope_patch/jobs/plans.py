@@ -253,7 +253,7 @@ def finetune_plan(steps: int, sequences_per_step: int, seq_len: int, *, per_proc
     accumulation), whatever the process count: more processes make a larger global batch, not a shorter step."""
     what = f"{steps} step(s) x {sequences_per_step} sequence(s) of {seq_len:,} tokens"
     fixed = (seq_len,) * (steps * per_process) if per_process is not None else None
-    return JobPlan(what, (seq_len,) * (steps * sequences_per_step), "fewer --steps or a shorter --seq-len",
+    return JobPlan(what, (seq_len,) * (steps * sequences_per_step), "fewer --steps or a shorter --length",
                    forward_factor=BACKWARD_FORWARDS, split=split, training=training, fixed_share=fixed)
 
 

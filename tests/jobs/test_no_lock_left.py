@@ -19,7 +19,7 @@ VERBS = {
     "passkey": ["passkey", "--lengths", "64"],
     "lm-eval": ["lm-eval", "--tasks", "wikitext"],
     "search": ["search", "--lengths", "128"],  # takes the lock before loading
-    "finetune": ["finetune", "--seq-len", "64", "--steps", "1"],  # takes the lock before loading
+    "finetune": ["finetune", "--length", "64", "--steps", "1"],  # takes the lock before loading
     "export": ["export", "--engine", "transformers", "--method", "yarn:factor=2"],
 }
 

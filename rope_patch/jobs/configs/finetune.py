@@ -24,14 +24,15 @@ class FinetuneConfig(JobConfig):
                                             "or yarn:factor=16", metavar="SPEC", spec=True)
     dataset: str | None = option(None, "training documents, the sources of 'rope-patch eval': a hub data set, a local "
                                        "file or folder (default: the embedded stdlib corpus)")
-    seq_len: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
-                                 "tokens)", tokens=True)
-    pose_target_len: int | None = option(None, "PoSE: train for this window with --seq-len sequences whose chunks get "
+    # --length, the length a single-length job runs at (search's too; an evaluation's sweep is --lengths)
+    length: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
+                                "tokens)", tokens=True, aliases=("seq_len",))
+    pose_target_len: int | None = option(None, "PoSE: train for this window with --length sequences whose chunks get "
                                                "random position skips reaching up to it, e.g. 32k (default: off)",
                                          tokens=True)
     pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
     mixed_window: bool = option(False, "LongRoPE2's mixed context window: sequences up to the native length train "
-                                       "with the original RoPE, --seq-len ones with the method's, in one run; saved "
+                                       "with the original RoPE, --length ones with the method's, in one run; saved "
                                        "as transformers' longrope (short factors 1), which switches by length. The "
                                        "method's attention factor must be 1 (e.g. yarn:factor=2,attention_factor=1)")
     short_share: float = option(0.5, "with --mixed-window, the share of micro-batches of short sequences")
@@ -106,13 +107,18 @@ class FinetuneConfig(JobConfig):
     progress: bool = progress_option()
     estimate_for: str | None = estimate_for_option()
 
+    @property
+    def seq_len(self) -> int:
+        """``--length`` under its earlier name, as the training code and the checkpoints' run key read it."""
+        return self.length
+
     def validate(self) -> None:
         from ...kernels import check_kernels_available
         from ...methods import check_spec_alone, frequency_and_attention, parse_method_spec
 
         if self.mlp_tile is not None and self.mlp_tile <= 0:
             raise ConfigError(f"--mlp-tile must be a positive number of tokens, got {self.mlp_tile!r}")
-        for name in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
+        for name in ("length", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(self, name)!r}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.save_every < 0 or self.max_grad_norm < 0:
@@ -123,11 +129,11 @@ class FinetuneConfig(JobConfig):
             raise ConfigError("--lora needs at least one module name in --lora-targets, e.g. q_proj,v_proj")
         if (self.save_adapter or self.train_embeddings_and_norms) and not self.lora:
             raise ConfigError("--save-adapter and --train-embeddings-and-norms only apply with --lora; add --lora or drop them")
-        if self.pose_target_len is not None and self.pose_target_len <= self.seq_len:
-            raise ConfigError(f"--pose-target-len {self.pose_target_len:,} must exceed --seq-len {self.seq_len:,}: PoSE "
-                              "trains a longer window than its sequences (drop it to train at --seq-len)")
-        if not 1 <= self.pose_chunks <= self.seq_len:
-            raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
+        if self.pose_target_len is not None and self.pose_target_len <= self.length:
+            raise ConfigError(f"--pose-target-len {self.pose_target_len:,} must exceed --length {self.length:,}: PoSE "
+                              "trains a longer window than its sequences (drop it to train at --length)")
+        if not 1 <= self.pose_chunks <= self.length:
+            raise ConfigError(f"--pose-chunks must be between 1 and --length, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
         check_spec_alone(self.method)  # and one that leaves out a parameter with no default
         if self.mixed_window:
