@@ -18,7 +18,7 @@ VERBS = {
     "eval": ["eval", "--lengths", "64"],  # takes the output folder's lock before loading the model
     "passkey": ["passkey", "--lengths", "64"],
     "lm-eval": ["lm-eval", "--tasks", "wikitext"],
-    "search": ["search", "--lengths", "128"],  # takes the lock before loading
+    "search": ["search", "--length", "128"],  # takes the lock before loading
     "finetune": ["finetune", "--length", "64", "--steps", "1"],  # takes the lock before loading
     "export": ["export", "--engine", "transformers", "--method", "yarn:factor=2"],
 }
