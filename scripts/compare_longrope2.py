@@ -79,7 +79,7 @@ def heldin_document(output: Path) -> Path:
         return folder
     _, tokenizer = load_default_model(dtype="fp32")
     corpus = load_documents(None)
-    config = SearchConfig(documents=1, heldout=["_pydecimal.py"], seed=0, lengths=[TARGET])
+    config = SearchConfig(documents=1, heldout=["_pydecimal.py"], seed=0, length=TARGET)
     heldin, _ = choose_documents(tokenize_documents(tokenizer, corpus), Protocol("truncate").min_tokens(TARGET), config)
     folder.mkdir(parents=True, exist_ok=True)
     text = {d.id: d.text for d in corpus}[heldin[0].id]

@@ -26,7 +26,7 @@ write_training_workspace(work / 'ws', repeats=60)
 for i in (6, 7, 8):
     (work / 'heldout' / f'doc{i}.txt').write_text(f'the cat sat on mat {i}. ' * 60)
 "
-"$PYTHON" -m rope_patch finetune --model "$WORK/ws/tiny" --dataset "$WORK/ws/corpus" --seq-len 64 --steps 60 \
+"$PYTHON" -m rope_patch finetune --model "$WORK/ws/tiny" --dataset "$WORK/ws/corpus" --length 64 --steps 60 \
     --warmup-steps 5 --lr 3e-3 --report-to tensorboard --output "$WORK/finetune" --progress off
 "$PYTHON" -m rope_patch eval --model "$WORK/finetune" --dataset "$WORK/heldout" --method none \
     --method linear:factor=4 --method ntk:factor=4 --method yarn:factor=4 --lengths 32,64,128,256,512,1024 \

@@ -35,6 +35,7 @@ OTHER_PROGRAMS = {
     "--max-model-len", "--hf-overrides", "--json-model-override-args", "--model-path", "--context-length",
     "--grp-attn-n", "--grp-attn-w", "--output_path", "--device", "--engine-side", "--vllm-load", "--runs",
     "--collect-only", "--enforce-eager", "--rope-scaling", "--rope-scale", "--yarn-orig-ctx", "--table-only",
+    "--yarn-beta-fast", "--yarn-beta-slow",
     "--rope-freq-base", "--ctx-size", "--finetune-steps", "--trials", "--stage",
     "--version", "--include_path", "--logdir", "--json", *MISSPELT_ON_PURPOSE,
 }

@@ -155,7 +155,7 @@ def test_eval_reports_its_table_per_length(tiny_folder, tmp_path, monkeypatch):
 @needs["tensorboard"]
 def test_finetune_reports_loss_lr_and_tokens_per_second_as_its_log(tmp_path):
     workspace = write_training_workspace(tmp_path / "ws", tied_copy=True)
-    rope_patch.finetune(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), seq_len=96, steps=3,
+    rope_patch.finetune(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), length=96, steps=3,
                         warmup_steps=1, output=str(tmp_path / "run"), gradient_checkpointing=False,
                         report_to=["tensorboard"], progress=False)
     with open(tmp_path / "run" / "train_log.csv", newline="") as f:

@@ -36,7 +36,7 @@ SOURCE_KEYS = ("name", "split", "subset", "text_field", "weight", "short")
 @dataclass(frozen=True)
 class DataSource:
     """One source of training documents and its token share (``weight``, relative to the others). ``short``: packed
-    into native-length sequences (short-data replay) instead of ``--seq-len`` ones. ``name`` None: the embedded
+    into native-length sequences (short-data replay) instead of ``--length`` ones. ``name`` None: the embedded
     corpus."""
 
     name: str | None = None
@@ -141,7 +141,7 @@ def data_sources(entries: Sequence[Any] | None, *, split: str = "train", subset:
     sources = [source for source in sources if source.weight > 0]
     if all(source.short for source in sources):
         raise ConfigError("--dataset: every source is short; mark only the short-data replay short, the long data "
-                          "trains at --seq-len")
+                          "trains at --length")
     return sources
 
 

@@ -51,7 +51,7 @@ class PackedSequences:
         count = len(tokens) // seq_len
         if count == 0:
             raise DataError(f"{source}: all documents joined give {len(tokens):,} tokens, fewer than one sequence of "
-                            f"--seq-len {seq_len:,}; use a shorter --seq-len or more (or longer) documents")
+                            f"--length {seq_len:,}; use a shorter --length or more (or longer) documents")
         self.sequences = np.asarray(tokens[: count * seq_len]).reshape(count, seq_len)  # (count, seq_len)
         self.seq_len, self.seed, self.source = seq_len, seed, source
         self.num_documents, self.num_tokens = num_documents, len(tokens)

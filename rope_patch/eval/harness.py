@@ -3,7 +3,7 @@
 lm-eval scores a model object as readily as a checkpoint (``HFLM(pretrained=model)``), so a method that no config can
 express (dynamic scaling, a method registered by the user) is evaluated as it runs, with nothing saved. Each method is
 patched in once (``sweep``); per task the patched model is wrapped in ``HFLM`` and handed to ``simple_evaluate``.
-Each run writes lm-eval's own results file, ``OUTPUT/<method>/<model>/results_<date>.json``: the file ``lm_eval
+Each run writes lm-eval's own results file, ``OUTPUT/<method>/<model>/results_<date>.json`` (``<model>``: ``model_slug``): the file ``lm_eval
 --output_path OUTPUT/<method>`` writes, so lm-eval's tooling reads it. One record per finished (method, task, length)
 goes to a ``ResultStore``, so a rerun skips it.
 
@@ -29,6 +29,7 @@ import difflib
 import json
 import os
 import random
+import re
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -192,6 +193,14 @@ def plain_json(value: Any) -> Any:
     return json.loads(json.dumps(value, default=handle_non_serializable))
 
 
+def model_slug(label: str) -> str:
+    """The model's folder name under ``OUTPUT/<method>/``: lm-eval's own (``owner/name`` → ``owner__name``), with
+    spaces, parentheses and any other character a shell would need quoted as one ``_``: the embedded default,
+    ``SmolLM2-135M-Instruct (embedded default)``, becomes ``SmolLM2-135M-Instruct_embedded_default``."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", label.replace("/", "__").replace("\\", "__")).strip("_.")
+    return slug or "model"
+
+
 def run_unit(lm: Any, entry: MethodEntry, unit: HarnessUnit, catalog: TaskCatalog, *,
              metadata: Mapping[str, Any], batch_size: int, limit: float | None,
              num_fewshot: int | None, output: str | Path | None, model_name: str) -> tuple[dict, Path | None]:
@@ -203,8 +212,9 @@ def run_unit(lm: Any, entry: MethodEntry, unit: HarnessUnit, catalog: TaskCatalo
     tracker = EvaluationTracker(output_path=str(Path(output) / file_stem(entry.label))) if output is not None else None
     meta = unit.metadata(metadata)
     with lm_eval_quietly():  # no "fatal: not a git repository", no nltk download failure
-        results = lm_eval.simple_evaluate(
-            model=lm, model_args={"pretrained": model_name, "rope_patch": entry.label},
+        results = lm_eval.simple_evaluate(  # lm-eval names the model's folder after "pretrained": the slug
+            model=lm, model_args={"pretrained": model_slug(model_name), "rope_patch": entry.label,
+                                  "rope_patch_model": model_name},
             tasks=catalog.load(unit.task, meta), task_manager=catalog.manager(meta), num_fewshot=num_fewshot,
             batch_size=batch_size, limit=limit, log_samples=False, evaluation_tracker=tracker,
         )

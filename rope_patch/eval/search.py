@@ -155,7 +155,7 @@ class CandidateScorer:
         if failures or len(records) != len(self.documents):
             reason = failures[0].reason if failures else "a document was not scored"
             raise RopePatchError(f"search: a candidate could not be scored at {self.target:,} tokens ({reason}); "
-                                 "try --dtype bf16, fewer --documents or a shorter --lengths")
+                                 "try --dtype bf16, fewer --documents or a shorter --length")
         nll, tokens = sum(r["nll"] for r in records), sum(r["tokens"] for r in records)
         return {"setup": self.setup, "long_factor": factors, "stage": self.stage, "perplexity": perplexity(nll, tokens),
                 "nll": nll, "tokens": tokens, "documents": {r["document"]: [r["nll"], r["tokens"]] for r in records}}

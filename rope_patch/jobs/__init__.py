@@ -120,13 +120,13 @@ JOBS: dict[str, Job] = {
         config_example="configs/lm_eval/ruler.yaml"),
     "finetune": Job(
         FinetuneConfig, "run_finetune", "fine-tune a patched model at a longer context (full or LoRA; one device or many)",
-        "Patch the model's RoPE with --method, train it on sequences of exactly --seq-len tokens (documents joined by "
+        "Patch the model's RoPE with --method, train it on sequences of exactly --length tokens (documents joined by "
         "EOS) with AdamW and the Position Interpolation defaults, and save a standard transformers folder whose config "
         "carries the scaling. Runs on one process; for many GPUs start it with 'accelerate launch --config_file "
         "configs/accelerate/ddp.yaml -m rope_patch finetune ...'. Checkpoints every --save-every steps hold the "
         "optimizer, scheduler, data position and RNG, keyed on the run's settings: --resume latest continues to the "
         "same result. Ctrl-C or SIGTERM saves a checkpoint and prints the command that resumes.",
-        "rope-patch finetune --method linear:factor=2 --seq-len 16k --steps 200 --output runs/smollm2-16k",
+        "rope-patch finetune --method linear:factor=2 --length 16k --steps 200 --output runs/smollm2-16k",
         config_example="configs/finetune/smollm2_16k_yarn2.yaml"),
     "demo": Job(
         DemoConfig, "run_demo", "what `make demo` runs: inspect, perplexity and passkey on a grid sized to this machine",
@@ -142,7 +142,7 @@ JOBS: dict[str, Job] = {
         "them as transformers' longrope",
         "LongRoPE's evolutionary search (population 64, 40 iterations of 16 mutations and 16 crossovers, the best 32 "
         "kept; monotone factors within [1, 1 + s] on a 0.01 grid, starting from YaRN's), each candidate scored as "
-        "the longrope method by its perplexity on --documents held-in documents truncated to --lengths. "
+        "the longrope method by its perplexity on --documents held-in documents truncated to --length. "
         "--candidates sets the budget (LongRoPE's sizes scale with it). Each scored candidate is saved at once: "
         "rerun the same command to resume. Under 'accelerate launch' (or torchrun) each iteration's candidates are "
         "dealt to the processes, one model replica each, with the result of one process. --screen-length or "
@@ -151,7 +151,7 @@ JOBS: dict[str, Job] = {
         "@OUTPUT/best_method.json for patch, eval and finetune), the rope_parameters plain transformers loads, "
         "plots of the factors and of the fitness, and a table of the searched factors against linear, ntk, yarn "
         "and ntk_by_parts on held-out documents.",
-        "rope-patch search --lengths 16k --candidates 24 --documents 1 --heldout _pydecimal.py",
+        "rope-patch search --length 16k --candidates 24 --documents 1 --heldout _pydecimal.py",
         config_example="configs/search/smollm2_16k.yaml"),
     "export": Job(
         ExportConfig, "run_export", "write the patched model as a serving engine loads it (vLLM, SGLang, llama.cpp, "

@@ -11,22 +11,26 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..choices import AS_LOADED
 from ..data.heldout import TRAINING_MANIFEST, carry_training_manifest, training_manifest
 from ..errors import DiskFullError
-from ..eval.sweep import AS_LOADED
 from ..export import served_rope, serving_settings
-from ..export.engines import (ENGINE_NAMES, GGUF_FILE, ServingSettings, describe, override_command,
-                              print_args_settings, rope_settings)
-from ..export.gguf import GgufRetag, GgufRope, check_same_rope, plan_retag, retag_gguf, write_gguf
+from ..export.engines import (ENGINE_NAMES, GGUF_FILE, ROPE_PARAMETERS_READERS, ServedRope, ServingSettings,
+                              _with_original_args, config_served_rope, describe, llama_cpp_settings, override_command, print_args_settings,
+                              rope_settings)
 from ..files import (LOCK_NAME, FolderLock, exchange_folders, readable_files, sync_files, sync_folder,
                      write_problem)
-from ..loading import load_structure, model_path
+from ..hub import DEFAULT_MODEL_NAME, cache_dir
 from ..methods import parse_method_spec
-from ..patching import patch
-from .common import load_for_job, split_loaded
 from .configs.export import RECORD, ExportConfig, check_output
+
+if TYPE_CHECKING:
+    from ..export.gguf import GgufRetag, GgufRope
+
+# transformers' model classes, the GGUF writer and the model loaders are imported where an export needs them:
+# ``export --print-args`` of a model its config.json describes imports none of them (torch only, for the methods).
 
 @dataclass
 class ExportResult:
@@ -49,7 +53,11 @@ class ExportResult:
 def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportResult:
     """Load the model, patch it with ``method`` (unless as-loaded), check the engine can serve it, and write the
     folder atomically (a temporary sibling renamed into place: an interrupted export leaves no half folder)."""
-    options, loaded = split_loaded(options)
+    loaded = None
+    if not isinstance(options.get("model"), (str, os.PathLike, type(None))) or "tokenizer" in options:
+        from .common import split_loaded  # a model object given: what loads models (a name: nothing yet)
+
+        options, loaded = split_loaded(options)
     config = ExportConfig.from_options(config, **options)
     config.check_required()
     if config.gguf is not None:
@@ -57,6 +65,9 @@ def run_export(config: ExportConfig | None = None, /, **options: Any) -> ExportR
     if config.print_args:
         return _print_args(config, loaded)
     training_manifest(trained_on(config))  # an unreadable record refused now, before the model loads
+    from ..patching import patch
+    from .common import load_for_job
+
     if loaded is None:
         loaded = load_for_job(config.model, dtype="fp32", attn_implementation=None, device="cpu",
                               native_length=config.native_length, progress=config.progress)
@@ -90,14 +101,29 @@ class PrintedArgs:
         engine = ENGINE_NAMES[self.settings.engine]
         lines = [f"# {engine} serving the unmodified {self.model} with {self.label}, context "
                  f"{self.settings.max_model_len} tokens:", self.command]
+        if self.settings.engine in ROPE_PARAMETERS_READERS and "rope_parameters" in self.settings.overrides:
+            lines.append(f"# rope_parameters (transformers 5's key) is read by "
+                         f"{ROPE_PARAMETERS_READERS[self.settings.engine]}")
         if self.settings.overrides:
             lines += ["# the override alone:", json.dumps(self.settings.overrides)]
         return "\n".join(lines)
 
 
 def _print_args(config: ExportConfig, loaded) -> PrintedArgs:
-    """The model read without weights (its config and RoPE buffers), patched, its engine's arguments; refused in
-    one line as export refuses, before anything else."""
+    """The engine's arguments from the model's config.json alone where it describes the RoPE (``config_rope``),
+    else from the model read without weights (its config and RoPE buffers), patched; refused in one line as export
+    refuses, before anything else."""
+    if loaded is None and (found := config_rope(config)) is not None:
+        rope, folder = found
+        short_equals_long = config.longrope_short_equals_long
+        settings = (llama_cpp_settings(rope, longrope_short_equals_long=short_equals_long)
+                    if config.engine == "llama.cpp" else
+                    _with_original_args(rope_settings(rope, config.engine, longrope_short_equals_long=short_equals_long)))
+        where = "ORIGINAL.gguf" if config.engine == "llama.cpp" else str(folder)
+        return PrintedArgs(settings, rope.label, where)
+    from ..loading import load_structure, model_path
+    from ..patching import patch
+
     model = loaded.model if loaded is not None else load_structure(config.model, native_length=config.native_length)
     if config.method != AS_LOADED:
         name, params = parse_method_spec(config.method)
@@ -116,10 +142,36 @@ def trained_on(config: ExportConfig) -> str | None:
     return str(Path(config.gguf).parent) if config.gguf is not None else None
 
 
+def config_rope(config: ExportConfig) -> tuple[ServedRope, Path] | None:
+    """The RoPE ``--print-args`` prints, from the model folder's config.json alone (the embedded model once
+    converted, or a local folder), and the folder; None where the model must be read: a hub id, an adapter folder,
+    a config this cannot read, or one ``config_served_rope`` leaves to the model."""
+    if config.model in (None, "", "default"):
+        folder = cache_dir() / "models" / DEFAULT_MODEL_NAME  # loading.default_model_folder()
+        if not (folder / "model.safetensors").is_file():
+            return None  # not converted yet: the model's path converts it
+    else:
+        folder = Path(config.model)
+        if not folder.is_dir() or (folder / "adapter_config.json").exists():
+            return None
+    try:
+        described = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the model's path says what is wrong, in one line
+    if not isinstance(described, dict):
+        return None
+    method = "none" if config.method == AS_LOADED else config.method
+    rope = config_served_rope(described, method, config.native_length)
+    return None if rope is None else (rope, folder)
+
+
 def _run_retag(config: ExportConfig, loaded) -> ExportResult:
     """``--gguf FILE``: the file's RoPE read and the method computed over it, checked against ``--model`` (if given),
     refused in one line before anything is written, then the file written anew with its RoPE replaced."""
     training_manifest(trained_on(config))  # an unreadable record refused now, before anything is read
+    from ..export.gguf import check_same_rope, plan_retag
+    from .common import load_for_job
+
     retag = plan_retag(config.gguf, config.method, native_length=config.native_length,
                        longrope_short_equals_long=config.longrope_short_equals_long)
     if config.model is not None or loaded is not None:
@@ -139,6 +191,8 @@ def _write(config: ExportConfig, model, tokenizer, folder: Path, settings: Servi
     folder's lock (a second export of the folder is refused in one line). A kill at any point leaves ``folder``
     holding the earlier export or the new one, whole; the hidden leftovers of a killed export are removed by the next
     export of the folder. A full disk or a folder that cannot be written is one line, and the earlier export stays."""
+    from ..export.gguf import retag_gguf, write_gguf
+
     created = not folder.exists()
     with FolderLock(folder, job="rope-patch export", wait=False, claim=False):  # known by its RECORD
         place = folder.resolve()  # a symlinked --output: the folder it points to is replaced, the link kept
@@ -240,12 +294,19 @@ def readme(config: ExportConfig, settings: ServingSettings, label: str, model_la
              f"Written by `rope-patch export --engine {settings.engine}{retagged} --method '{config.method}'`. "
              f"The RoPE settings below make {engine} compute what rope_patch's patched model computes.", "",
              "Serve it:", "", "```bash", settings.serve_command, "```", ""]
-    original = ((config.gguf or "ORIGINAL.gguf") if settings.engine == "llama.cpp"
-                else str(config.model or model_path(None)))  # a name as given: the README names it, loads nothing
+    if settings.engine == "llama.cpp" or config.model:
+        original = (config.gguf or "ORIGINAL.gguf") if settings.engine == "llama.cpp" else str(config.model)
+    else:
+        from ..loading import model_path
+
+        original = str(model_path(None))  # a name as given: the README names it, loads nothing
     alternative = override_command(settings.engine, original, settings)
     if alternative:
         lines += ["Or serve the original model with the same settings given at load time:", "", "```bash",
                   alternative, "```", ""]
+        if settings.engine in ROPE_PARAMETERS_READERS and "rope_parameters" in settings.overrides:
+            lines += [f"`rope_parameters` (transformers 5's key) is read by "
+                      f"{ROPE_PARAMETERS_READERS[settings.engine]}.", ""]
     lines += [f"Context: {settings.max_model_len} tokens.", "", "RoPE (`rope_parameters`):", "", "```json",
               json.dumps(settings.rope_parameters, indent=1), "```", ""]
     if config.gguf:

@@ -3,7 +3,7 @@
 Position Interpolation (Chen et al. 2023, arXiv:2306.15595) brings LLaMA 7B at 8k from 16.1 to 7.1 perplexity in
 200 steps: patching is the first step, a short fine-tune at the new length the second. The job patches a model with a
 method spec, trains it (fully, or LoRA through peft with optionally trainable embeddings and norms, the LongLoRA
-recipe) on sequences of exactly ``seq_len`` tokens, and writes a standard transformers folder whose config carries the
+recipe) on sequences of exactly ``length`` tokens, and writes a standard transformers folder whose config carries the
 scaling, so it reloads anywhere without being scaled twice. The pieces live in ``rope_patch.train``.
 """
 
@@ -56,6 +56,7 @@ from .plans import Training, finetune_plan, model_shape, show_plan
 # batch and the precision: each checkpoint is keyed on them, and a run resumes only its own checkpoints. How the work
 # is split (processes, micro-batches, kernels, attention implementation, activation checkpointing) and where and how
 # often things are written are left out: changing them continues the same run.
+# "seq_len": --length under its earlier name (FinetuneConfig.seq_len), so a run checkpointed before resumes
 CHECKPOINT_KEY = ("method", "seq_len", "pose_target_len", "pose_chunks", "native_length", "steps", "lr", "warmup_steps",
                   "schedule", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "seed", "lora",
                   "lora_rank", "lora_alpha", "lora_targets", "train_embeddings_and_norms")
@@ -74,7 +75,7 @@ class FinetuneResult:
 
 
 def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> FinetuneResult:
-    """Patch, train and save: ``finetune(method="linear:factor=2", seq_len=16384, steps=200, output="runs/x")``.
+    """Patch, train and save: ``finetune(method="linear:factor=2", length=16384, steps=200, output="runs/x")``.
 
     Ctrl-C or SIGTERM saves a checkpoint at the end of the step and raises
     ``TrainingInterrupted`` (a KeyboardInterrupt) saying how to resume."""
@@ -132,7 +133,7 @@ def mixed_window(model: torch.nn.Module, config: FinetuneConfig, name: str, para
     short_len = config.short_len or base.native_length
     if short_len > base.native_length or config.seq_len <= base.native_length:
         raise ConfigError(f"--mixed-window: short sequences must fit the native length {base.native_length:,} "
-                          f"(--short-len {short_len:,}) and --seq-len ({config.seq_len:,}) exceed it, so the first "
+                          f"(--short-len {short_len:,}) and --length ({config.seq_len:,}) exceed it, so the first "
                           "train with the original RoPE and the second with the method's")
     try:
         return "longrope", mixed_window_params(name, base, params), short_len
@@ -142,12 +143,12 @@ def mixed_window(model: torch.nn.Module, config: FinetuneConfig, name: str, para
 
 def short_replay_length(model: torch.nn.Module, config: FinetuneConfig) -> int:
     """Tokens per sequence of the short sources (short-data replay): ``--short-len``, default the native length,
-    below ``--seq-len``; trained with the method's RoPE (``--mixed-window`` trains them with the original one)."""
+    below ``--length``; trained with the method's RoPE (``--mixed-window`` trains them with the original one)."""
     native = rotary_setup(model, *primary_rotary(model)[1:], config.native_length).native_length
     short_len = config.short_len or native
     if short_len >= config.seq_len:
         raise ConfigError(f"short sources pack sequences of the native length {short_len:,}, which must be below "
-                          f"--seq-len {config.seq_len:,}; train longer sequences or give --short-len")
+                          f"--length {config.seq_len:,}; train longer sequences or give --short-len")
     return short_len
 
 

@@ -4,6 +4,7 @@ with each method in turn, in one resumable run."""
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,9 @@ class LmEvalResult:
         if cost:
             text.append(f"\n{cost}")
         if self.files:
-            text.append(f"\nlm-eval results: {s['output']}/<method>/<model>/results_*.json; results: "
+            folders = sorted({str(Path(f).parent) for f in self.results_files})  # one per method
+            where = "; ".join(shlex.quote(f) for f in folders) if folders else "none written"
+            text.append(f"\nlm-eval's own results JSON in: {where}; results: "
                         f"{s['output']}/results.jsonl; summaries and plots: "
                         f"{', '.join(str(p) for p in self.files.values())}")
         return "\n".join(text)

@@ -51,7 +51,7 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, r
 
 
 def flag(name: str) -> str:
-    """The command-line spelling of a field: ``--seq-len`` for ``seq_len``."""
+    """The command-line spelling of a field: ``--pose-target-len`` for ``pose_target_len``."""
     return "--" + name.replace("_", "-")
 
 
@@ -285,7 +285,7 @@ class JobConfig:
 
     @classmethod
     def read_yaml(cls, path: str | Path) -> dict[str, Any]:
-        """The option values of a YAML config file, keys checked against the fields (``seq-len`` = ``seq_len``)."""
+        """The option values of a YAML config file, keys checked against the fields (``pose-target-len`` = ``pose_target_len``)."""
         check_path_length(path, "--config")
         path = Path(path)
         try:  # bounded: a config is small, pyyaml reads ~1 MB/s; not blocking: a FIFO is refused, not waited on

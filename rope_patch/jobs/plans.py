@@ -309,7 +309,7 @@ def finetune_plan(steps: int, sequences_per_step: int, seq_len: int, *, per_proc
     else:
         fixed = (seq_len,) * (steps * per_process) if per_process is not None else None
     factor = BACKWARD_FORWARDS + (1 if training is not None and training.checkpointing else 0)
-    return JobPlan(what, forwards, "fewer --steps or a shorter --seq-len", forward_factor=factor, split=split,
+    return JobPlan(what, forwards, "fewer --steps or a shorter --length", forward_factor=factor, split=split,
                    training=training, fixed_share=fixed)
 
 

@@ -114,7 +114,7 @@ def choose_documents(tokenized, min_tokens: int, config: SearchConfig) -> tuple[
 def run_search(config: SearchConfig | None = None, /, **options: Any) -> SearchResult:
     """Search LongRoPE factors for one model at one target length, save them, and compare them on held-out documents.
 
-    ``run_search(lengths=[16384], candidates=24, documents=1, heldout=["_pydecimal.py"])``; options are the
+    ``run_search(length=16384, candidates=24, documents=1, heldout=["_pydecimal.py"])``; options are the
     fields of ``SearchConfig``, and ``model=`` may be a loaded model (then pass ``tokenizer=``). Every scored
     candidate goes to OUTPUT/candidates.jsonl at once: rerun the same command to resume; the search replays the
     same candidates (same seed) and scores only those not stored. Under ``accelerate launch`` (or torchrun) each
@@ -142,7 +142,7 @@ def _search(config: SearchConfig, loaded: LoadedModel | None, stack: contextlib.
     model = loaded.model
     native = settle_native_length(model, config.native_length, config.layer_types)
     if config.target_length <= native:
-        raise ConfigError(f"--lengths {config.target_length:,} must exceed the native length {native:,}: "
+        raise ConfigError(f"--length {config.target_length:,} must exceed the native length {native:,}: "
                           "longrope's long factors apply only beyond it")
     factor = config.factor or config.target_length / native
     base = rotary_setup(model, *primary_rotary(model)[1:])

@@ -46,7 +46,7 @@ def check_sequence_parallel(size: int, *, processes: int, seq_len: int, model: n
                           f"a multiple of {size} with accelerate launch --num_processes (configs/accelerate/"
                           "sequence_parallel.yaml)")
     if seq_len % size:
-        raise ConfigError(f"--seq-len {seq_len:,} does not split evenly into --sequence-parallel {size} shards; use a "
+        raise ConfigError(f"--length {seq_len:,} does not split evenly into --sequence-parallel {size} shards; use a "
                           f"multiple of {size}")
     require_ulysses()
     if model is None:

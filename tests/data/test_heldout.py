@@ -43,7 +43,7 @@ def test_a_local_corpus_is_split_by_a_hash_of_name_and_content_whatever_the_orde
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
     root = write_training_workspace(tmp_path_factory.mktemp("heldout"), repeats=20)
-    argv = ["finetune", "--model", str(root / "tiny"), "--dataset", str(root / "corpus"), "--seq-len", "96",
+    argv = ["finetune", "--model", str(root / "tiny"), "--dataset", str(root / "corpus"), "--length", "96",
             "--steps", "1", "--no-progress", "--output", str(root / "tuned")]
     assert cli_main(argv) == 0
     return root

@@ -172,7 +172,7 @@ def workspace(tmp_path_factory):
 
 def test_a_mixture_with_short_replay_trains_and_records_every_source(workspace, tmp_path):
     corpus, chat = str(workspace / "corpus"), str(workspace / "chat")
-    result = finetune(model=str(workspace / "tiny"), dataset=[f"{corpus}:0.6", f"{chat}:0.4:short"], seq_len=96,
+    result = finetune(model=str(workspace / "tiny"), dataset=[f"{corpus}:0.6", f"{chat}:0.4:short"], length=96,
                       upsample_long=2, long_threshold=100, steps=1, lr=1e-3, warmup_steps=0,
                       output=str(tmp_path / "run"), gradient_checkpointing=False, progress=False)
     assert len(result.losses) == 1 and all(math.isfinite(v) for v in result.losses.values())

@@ -118,6 +118,37 @@ def test_scores_equal_lm_evals_own_hf_model_on_a_checkpoint_saved_with_the_scali
     assert rope_patch.current_patch(model) is None  # the model is handed back as it came
 
 
+def test_the_model_folder_is_a_slug_and_the_report_names_the_real_folders():
+    from rope_patch.eval.harness import model_slug
+    from rope_patch.jobs.lm_eval import LmEvalResult
+
+    assert model_slug("SmolLM2-135M-Instruct (embedded default)") == "SmolLM2-135M-Instruct_embedded_default"
+    assert model_slug("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB__SmolLM2-135M"  # lm-eval's own "owner__name"
+    assert model_slug("/m/my models/tiny (v2)") == "m__my_models__tiny_v2"
+    files = ["out/none/m/results_1.json", "out/none/m/results_2.json", "out/yarn_factor2/m/results_3.json"]
+    result = LmEvalResult([], [{"file": f} for f in files], {"summary": Path("out/summary.csv")},
+                          {"model": "m", "dtype": "fp32", "native_length": 64, "limit": None, "output": "out"})
+    (line,) = [line for line in str(result).splitlines() if "lm-eval's own results" in line]
+    assert "out/none/m; out/yarn_factor2/m;" in line and "<" not in line
+
+
+@pytest.mark.slow  # an lm-eval run (about 10 s on a quiet 2-core machine); the folder naming end to end
+def test_lm_evals_folders_are_slugs_and_the_report_names_them(tasks_dir, tmp_path):
+    """lm-eval names the model's folder after model_args' "pretrained": the embedded default's label held a space
+    and parentheses, and the report printed a literal <method>/<model>. Now: a slug, and the real folder."""
+    model, tokenizer = build_model(tiny_llama_config()), make_char_tokenizer()
+    model.name_or_path = "SmolLM2-135M-Instruct (embedded default)"
+    result = rope_patch.run_lm_eval(model=model, tokenizer=tokenizer, method=["linear:factor=2"],
+                                    tasks=["tiny_rolling"], include_path=str(tasks_dir), lengths=[128],
+                                    progress=False, output=str(tmp_path / "out"))
+    (file,) = [Path(f) for f in result.results_files]
+    assert file.is_file()
+    assert file.parent == tmp_path / "out" / "linear_factor2" / "SmolLM2-135M-Instruct_embedded_default"
+    assert not set(" ()") & set(str(file.relative_to(tmp_path)))
+    line = next(line for line in str(result).splitlines() if "lm-eval's own results" in line)
+    assert str(file.parent) in line and "<" not in line
+
+
 # ----------------------------------------------------------------------------------------------- resume
 
 

@@ -224,7 +224,7 @@ def test_search_killed_at_random_points_resumes_to_the_uninterrupted_result(tiny
     folder, corpus = tiny_folder
 
     def argv(out: Path) -> list[str]:
-        return ["search", "--model", str(folder), "--dataset", str(corpus), "--lengths", "128",
+        return ["search", "--model", str(folder), "--dataset", str(corpus), "--length", "128",
                 "--dtype", "fp32", "--documents", "1", "--heldout-documents", "1", "--candidates", "8",
                 "--population", "4", "--parents", "2", "--mutations", "1", "--crossovers", "1", "--no-progress",
                 "--output", str(out)]

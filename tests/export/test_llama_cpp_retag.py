@@ -46,7 +46,8 @@ def embedded(checker):
     return model, tokenizer, checker.document_ids(tokenizer, "argparse.py", LENGTH)
 
 
-@pytest.mark.parametrize("spec", sorted(["yarn:factor=2", "linear:factor=2", "ntk:factor=2"]))
+@pytest.mark.parametrize("spec", sorted(["yarn:factor=2", "linear:factor=2", "ntk:factor=2",
+                                         "yarn:factor=2,beta_fast=16"]))  # betas: flags vs rope_freqs
 def test_q4_1_retag_equals_llama_cpps_own_overrides(checker, embedded, tmp_path, spec):
     ids = embedded[2]
     retag_gguf(plan_retag(default_gguf_path(), spec), tmp_path / "model.gguf")

@@ -6,8 +6,10 @@ the overrides scripts/check_engines.py measured on llama.cpp before (REFERENCE.m
 from __future__ import annotations
 
 import json
+import math
 import shlex
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -69,9 +71,63 @@ def test_llama_cpp_flags(tiny_folder, spec, flags, keywords):
     assert LLAMA_ROPE_SCALING == {"none": 0, "linear": 1, "yarn": 2}  # llama.h's LLAMA_ROPE_SCALING_TYPE_*
 
 
+def llama_cpp_rope(d: int, base: float, kind: str, freq_scale: float, n_orig: int, beta_fast: float,
+                   beta_slow: float, attn_factor: float, rope_freqs) -> tuple[np.ndarray, float]:
+    """The per-pair frequency (angle = position × it) and the cos/sin scale llama.cpp's CPU rope computes, written out
+    from its source in float64: llama-context.cpp (ext_factor 1 for yarn, else 0), ggml.c's ggml_rope_yarn_corr_dims
+    (floor/ceil, clamped to [0, d − 1]), ggml-cpu's rope_yarn and rope_yarn_ramp (the ramp over i0/2 = i, the
+    temperature 1 + 0.1·ln(1/freq_scale) when ext_factor ≠ 0)."""
+    ext_factor = 1.0 if kind == "yarn" else 0.0
+
+    def corr_dim(rotations: float) -> float:
+        return d * math.log(n_orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(0.0, math.floor(corr_dim(beta_fast))), min(d - 1.0, math.ceil(corr_dim(beta_slow)))
+    i = np.arange(d // 2, dtype=np.float64)
+    extrap = base ** (-2 * i / d) / np.asarray(rope_freqs, dtype=np.float64)
+    interp = freq_scale * extrap
+    ramp_mix = (1 - np.clip((i - low) / max(0.001, high - low), 0, 1)) * ext_factor
+    mscale = attn_factor * (1 + 0.1 * math.log(1 / freq_scale) if ext_factor else 1.0)
+    return interp * (1 - ramp_mix) + extrap * ramp_mix, mscale
+
+
+# the issue's spec, and betas that both move the ramp on the tiny model (d = 16, 64 native tokens: a wrong beta
+# printed changes the frequencies by 60 % or more)
+@pytest.mark.parametrize("spec", ["yarn:factor=2,beta_fast=16", "yarn:factor=4,beta_fast=1,beta_slow=0.25"])
+def test_llama_cpp_beta_flags_give_what_the_retag_writes(tiny_folder, spec):
+    """YaRN at other betas: the printed --yarn-beta-fast/--yarn-beta-slow on the unmodified file, and the GGUF keys
+    and rope_freqs tensor a retag (or export) writes, through llama.cpp's arithmetic: the same frequencies and
+    temperature. (scripts/check_engines.py --engine llama.cpp-retag / -flags run llama.cpp itself on them.)"""
+    from rope_patch.export import served_rope
+    from rope_patch.export.gguf import gguf_rope
+    from rope_patch.loading import load_structure
+
+    folder, _ = tiny_folder
+    printed = run_export(engine="llama.cpp", method=spec, model=str(folder), print_args=True)
+    words = shlex.split(printed.command)
+    flags = {w: words[k + 1] for k, w in enumerate(words) if w.startswith("--")}
+    assert flags["--rope-scaling"] == "yarn" and {"--yarn-beta-fast", "--yarn-beta-slow"} <= set(flags)
+    model = load_structure(str(folder))
+    name, params = rope_patch.parse_method_spec(spec)
+    rope_patch.patch(model, name, **params)
+    retag = gguf_rope(served_rope(model))
+    keys, tensors = retag.keys, retag.tensors
+    assert keys["rope.scaling.type"] == "none" and "rope_freqs.weight" in tensors  # the file needs the tensor
+    d, base = keys["rope.dimension_count"], keys["rope.freq_base"]
+    ours = llama_cpp_rope(d, base, "yarn", 1 / float(flags["--rope-scale"]), int(flags["--yarn-orig-ctx"]),
+                          float(flags["--yarn-beta-fast"]), float(flags["--yarn-beta-slow"]), 1.0, np.ones(d // 2))
+    theirs = llama_cpp_rope(d, base, "none", 1.0, keys["context_length"], 32.0, 1.0,
+                            keys.get("rope.scaling.attn_factor", 1.0), tensors["rope_freqs.weight"])
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-6)  # rope_freqs is fp32
+    assert math.isclose(ours[1], theirs[1], rel_tol=1e-12)
+    assert {"yarn_beta_fast", "yarn_beta_slow"} <= set(printed.settings.llama_cpp_overrides)  # llama-cpp-python's
+    default = run_export(engine="llama.cpp", method="yarn:factor=2", model=str(folder), print_args=True)
+    assert "--yarn-beta-fast" not in default.command  # llama.cpp's own defaults, 32 and 1: not repeated
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--engine", "llama.cpp", "--method", "llama3:factor=2"], "needs the rope_freqs tensor in the GGUF file"),
-    (["--engine", "llama.cpp", "--method", "yarn:factor=2,beta_fast=64"], "rope_freqs tensor"),
+    (["--engine", "llama.cpp", "--method", "yarn:factor=2,truncate=false"], "rope_freqs tensor"),
     (["--engine", "vllm", "--method", "dynamic_ntk:factor=2"], "vLLM cannot serve dynamic_ntk"),
     (["--engine", "transformers", "--method", "yarn:factor=2"], "config.json only"),
     (["--engine", "vllm", "--method", "yarn:factor=2", "--output", "x"], "writes nothing: drop --output"),
@@ -81,6 +137,16 @@ def test_what_cannot_be_printed_is_refused_in_one_line(tiny_folder, capsys, argv
     assert main(["export", *argv, "--model", str(folder), "--print-args"]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("engine, change", [("vllm", "PR #28542"), ("sglang", "PR #14745")])
+def test_the_printed_override_says_which_release_reads_rope_parameters(tiny_folder, tmp_path, engine, change):
+    folder, _ = tiny_folder
+    printed = run_export(engine=engine, method="yarn:factor=2", model=str(folder), print_args=True)
+    (note,) = [line for line in str(printed).splitlines() if "rope_parameters (transformers 5's key)" in line]
+    assert note.startswith("# ") and change in note and "rope_scaling" in note
+    config = ExportConfig(engine=engine, method="yarn:factor=2", model=str(folder), output=str(tmp_path / "x"))
+    assert change in readme(config, printed.settings, "yarn:factor=2", "tiny", None)
 
 
 def test_the_export_readme_shows_the_same_override(tiny_folder, tmp_path):
@@ -127,3 +193,76 @@ def test_sglangs_reading_of_the_json_gives_the_patched_model_within_its_context(
     name, params = rope_patch.parse_method_spec(spec)
     with torch.no_grad(), rope_patch.patched(reference, name, **params):
         assert torch.allclose(served(input_ids=PROBE).logits, reference(input_ids=PROBE).logits, atol=1e-5)
+
+
+CONFIG_SPECS = ["none", "yarn:factor=2", "yarn:factor=4,beta_fast=16,beta_slow=2", "ntk:factor=4", "linear:factor=2",
+                "llama3:factor=2", "ntk_by_parts:factor=2", "dynamic_ntk:factor=2", "base:rope_theta=40000"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_rope_read_off_config_json_is_the_patched_models(family, tmp_path):
+    """config_served_rope (export --print-args without the model) against served_rope of the model read without its
+    weights and patched: every field, for each family it answers for, each method, with and without
+    --native-length."""
+    from rope_patch.export import served_rope
+    from rope_patch.export.engines import CONFIG_ONLY_FAMILIES, config_served_rope
+    from rope_patch.loading import load_structure
+    from tiny_models import family_config
+
+    assert family in CONFIG_ONLY_FAMILIES
+    family_config(family).save_pretrained(tmp_path)
+    described = json.loads((tmp_path / "config.json").read_text())
+    for native in (None, 48) if family == "llama" else (None,):
+        model = load_structure(str(tmp_path), native_length=native)
+        for spec in CONFIG_SPECS:
+            name, params = rope_patch.parse_method_spec(spec)
+            with rope_patch.patched(model, name, native_length=native, **params):
+                assert config_served_rope(described, spec, native) == served_rope(model), (spec, native)
+
+
+@pytest.mark.parametrize("family, change", [("phi3", {}), ("gpt_neox", {}), ("llama", {"rope_patch": {}}),
+                                            ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                           "rope_theta": 10000.0}}),
+                                            ("llama", {"partial_rotary_factor": 0.5})])
+def test_what_config_json_alone_cannot_say_is_left_to_the_model(family, change, tmp_path):
+    from rope_patch.export.engines import config_served_rope
+    from tiny_models import family_config
+
+    family_config(family).save_pretrained(tmp_path)
+    described = {**json.loads((tmp_path / "config.json").read_text()), **change}
+    assert config_served_rope(described, "yarn:factor=2") is None
+    assert config_served_rope(json.loads((tmp_path / "config.json").read_text()), "yarn:factor=2+rerope:window=16") \
+        is None  # an attention-level method: the model's layers are measured
+
+
+def test_print_args_of_a_plain_folder_reads_no_model(tiny_folder, monkeypatch):
+    """The issue's 10 s: --print-args of a folder whose config.json says it all loads no model and patches none (the
+    printed text is the model path's, checked above field by field)."""
+    import transformers
+
+    import rope_patch.jobs.export
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was read")
+
+    folder, _ = tiny_folder
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)  # load_structure's model
+    monkeypatch.setattr(rope_patch.jobs.export, "load_structure", refuse, raising=False)
+    monkeypatch.setattr(rope_patch.jobs.export, "patch", refuse, raising=False)
+    for engine in ("vllm", "sglang", "llama.cpp"):
+        printed = run_export(engine=engine, method="yarn:factor=2", model=str(folder), print_args=True)
+        assert printed.settings.max_model_len == 2 * NATIVE
+    with pytest.raises(rope_patch.RopePatchError, match="vLLM cannot serve dynamic_ntk"):
+        run_export(engine="vllm", method="dynamic_ntk:factor=2", model=str(folder), print_args=True)
+
+
+def test_transformers_print_args_is_refused_before_anything_loads(capsys):
+    """Refused from the options as given (the model folder need not exist, the method is not even parsed)."""
+    from rope_patch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="transformers reads the RoPE from config.json only"):
+        ExportConfig.check_runnable({"engine": "transformers", "print_args": True, "model": "/nonexistent/x"})
+    assert main(["export", "--engine", "transformers", "--method", "yran", "--model", "/nonexistent/x",
+                 "--print-args"]) == 2
+    err = capsys.readouterr().err
+    assert "export the folder with --output DIR" in err and err.count("\n") == 1

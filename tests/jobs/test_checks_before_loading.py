@@ -35,7 +35,7 @@ def no_loading(monkeypatch):
 
 
 VERBS = {  # the options each verb needs besides the case's own
-    "eval": [], "passkey": [], "lm-eval": ["--tasks", "niah_single_1"], "search": ["--lengths", "16k"],
+    "eval": [], "passkey": [], "lm-eval": ["--tasks", "niah_single_1"], "search": ["--length", "16k"],
     "finetune": [],
 }
 

@@ -18,8 +18,8 @@ VERBS = {
     "eval": ["eval", "--lengths", "64"],  # takes the output folder's lock before loading the model
     "passkey": ["passkey", "--lengths", "64"],
     "lm-eval": ["lm-eval", "--tasks", "wikitext"],
-    "search": ["search", "--lengths", "128"],  # takes the lock before loading
-    "finetune": ["finetune", "--seq-len", "64", "--steps", "1", "--warmup-steps", "0"],  # takes the lock before loading
+    "search": ["search", "--length", "128"],  # takes the lock before loading
+    "finetune": ["finetune", "--length", "64", "--steps", "1", "--warmup-steps", "0"],  # takes the lock before loading
     "export": ["export", "--engine", "transformers", "--method", "yarn:factor=2"],
 }
 

@@ -53,7 +53,7 @@ def test_yaml_flags_and_python_give_the_same_config(tmp_path):
 
 
 def test_values_are_parsed_whatever_their_origin():
-    config = FinetuneConfig(seq_len="32k", steps="10", lr="1e-4", lora="true", lora_targets="q_proj, v_proj",
+    config = FinetuneConfig(length="32k", steps="10", lr="1e-4", lora="true", lora_targets="q_proj, v_proj",
                             exclude_documents="a.py,b.py")
     assert (config.seq_len, config.steps, config.lr, config.lora) == (32768, 10, 1e-4, True)
     assert config.lora_targets == ["q_proj", "v_proj"] and config.exclude_documents == ["a.py", "b.py"]
@@ -76,7 +76,7 @@ def test_bad_values_name_the_option(options, message):
 
 
 def test_a_saved_config_reruns_as_it_was(tmp_path):
-    config = FinetuneConfig(method="yarn:factor=4", seq_len="8k", lora=True, output=str(tmp_path / "run"))
+    config = FinetuneConfig(method="yarn:factor=4", length="8k", lora=True, output=str(tmp_path / "run"))
     path = config.to_yaml(tmp_path / "run" / "finetune_config.yaml")
     assert path.read_text().startswith(f"# rope-patch finetune --config {path}\n")
     _, again = parse(["finetune", "--config", str(path)])

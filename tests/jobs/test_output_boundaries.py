@@ -25,8 +25,8 @@ VERBS = {  # a run of each verb on the tiny model, as small as it goes
     "eval": ["eval", "--lengths", "64", "--documents", "1", "--method", "none", "--dtype", "fp32"],
     "passkey": ["passkey", "--lengths", "64", "--depths", "0.5", "--trials", "1", "--max-new-tokens", "2",
                 "--method", "none", "--dtype", "fp32"],
-    "search": ["search", "--lengths", "128", "--candidates", "2", "--documents", "1", "--dtype", "fp32"],
-    "finetune": ["finetune", "--seq-len", "64", "--steps", "1", "--warmup-steps", "0", "--dtype", "fp32",
+    "search": ["search", "--length", "128", "--candidates", "2", "--documents", "1", "--dtype", "fp32"],
+    "finetune": ["finetune", "--length", "64", "--steps", "1", "--warmup-steps", "0", "--dtype", "fp32",
                  "--no-gradient-checkpointing"],
     "export": ["export", "--engine", "transformers", "--method", "yarn:factor=2"],
 }

@@ -138,7 +138,7 @@ def test_finetune_plans_each_sequence_a_mixed_window_trains(monkeypatch, tmp_pat
         ran.extend([ids.shape[1]] * ids.shape[0])
 
     common = dict(model=str(root / "tiny"), dataset=str(root / "corpus"), method="yarn:factor=2,attention_factor=1",
-                  seq_len=2 * NATIVE, mixed_window=True, short_share=0.5, lr=1e-4, warmup_steps=0, dtype="fp32",
+                  length=2 * NATIVE, mixed_window=True, short_share=0.5, lr=1e-4, warmup_steps=0, dtype="fp32",
                   output=str(tmp_path / "run"), save_every=2, progress=True)
     real_train = finetune_job.train
 

@@ -32,7 +32,7 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def options(workspace: Path, output, **overrides) -> dict:
-    return dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), lengths=[TARGET], dtype="fp32",
+    return dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), length=TARGET, dtype="fp32",
                 documents=2, heldout_documents=1, candidates=8, population=4, parents=2, mutations=1, crossovers=1,
                 output=None if output is None else str(output), progress=False) | overrides
 
@@ -169,7 +169,7 @@ def test_a_spec_file_is_one_spelling_for_patch_and_the_command_line(workspace, s
 
 
 @pytest.mark.parametrize("overrides, error, message", [
-    (dict(lengths=[NATIVE]), ConfigError, "must exceed the native length"),
+    (dict(length=NATIVE), ConfigError, "must exceed the native length"),
     (dict(heldout=["nope.txt"]), DataError, "nope.txt"),
     (dict(documents=4), DataError, "fewer than --documents"),
 ])

@@ -86,7 +86,7 @@ def test_the_embedded_tokenizer_scores_the_five_digits_not_the_space_before_them
 
 
 def test_the_needle_fitness_is_transformers_own_loss_on_the_answer_tokens(workspace):
-    result = run_search(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), lengths=[TARGET],
+    result = run_search(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), length=TARGET,
                         dtype="fp32", documents=2, heldout_documents=0, candidates=4, population=3, parents=2,
                         mutations=1, crossovers=0, objective="needle", output=None, progress=False)
     assert result.settings["critical_pair"] == 2  # 8·ln(64/2π)/ln(10^5) = 1.61 → pair 2
@@ -112,7 +112,7 @@ def test_the_needle_fitness_is_transformers_own_loss_on_the_answer_tokens(worksp
 
 
 def test_the_critical_dimension_can_be_turned_on_for_perplexity_and_off_for_needle(workspace):
-    common = dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), lengths=[TARGET],
+    common = dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), length=TARGET,
                   dtype="fp32", documents=1, heldout_documents=0, candidates=3, population=3, parents=2, mutations=1,
                   crossovers=0, output=None, progress=False)
     on = run_search(**common, critical_dimension="on")
@@ -124,7 +124,7 @@ def test_the_critical_dimension_can_be_turned_on_for_perplexity_and_off_for_need
 def test_a_rerun_resumes_and_the_objectives_never_share_a_score(workspace, tmp_path):
     import json
 
-    common = dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), lengths=[TARGET],
+    common = dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), length=TARGET,
                   dtype="fp32", documents=1, heldout_documents=0, candidates=2, population=2, parents=2, mutations=1,
                   crossovers=0, output=str(tmp_path / "run"), progress=False)
     first = run_search(**common, objective="needle")

@@ -30,7 +30,7 @@ def workspace(tmp_path_factory) -> Path:
 
 def options(workspace: Path, output: Path, **overrides) -> dict:
     """12 candidates: a starting population of 4, then 2 iterations of 4 (2 mutations, 2 crossovers)."""
-    return dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), lengths=[2 * NATIVE], dtype="fp32",
+    return dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), length=2 * NATIVE, dtype="fp32",
                 documents=2, heldout_documents=1, candidates=12, population=4, parents=2, mutations=2, crossovers=2,
                 output=str(output), progress=False) | overrides
 

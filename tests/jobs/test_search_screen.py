@@ -27,7 +27,7 @@ def workspace(tmp_path_factory) -> Path:
 
 def options(workspace: Path, output, **overrides) -> dict:
     """12 candidates in batches of 4 (the population, then 2 iterations); the screen keeps 2 of each."""
-    return dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), lengths=[TARGET], dtype="fp32",
+    return dict(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), length=TARGET, dtype="fp32",
                 documents=2, heldout_documents=0, candidates=12, population=4, parents=2, mutations=2, crossovers=2,
                 screen_length=SCREEN, screen_documents=1, screen_keep=0.5,
                 output=None if output is None else str(output), progress=False) | overrides
@@ -96,7 +96,7 @@ def test_each_stage_resumes_from_its_own_rows(workspace, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(screen_length=TARGET), "below --lengths"),
+    (dict(screen_length=TARGET), "below --length"),
     (dict(screen_documents=3), "give 1 to --documents"),
     (dict(screen_length=None, screen_documents=2), "the full fitness itself"),
     (dict(screen_keep=0.0), "share in"),

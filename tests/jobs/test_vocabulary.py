@@ -24,7 +24,9 @@ def fresh_renames(monkeypatch):
     ("lm-eval", ["--max-length", "16k"], "lengths", [16384]),
     ("lm-eval", ["--engine", "hf"], "backend", "hf"),
     ("lm-eval", ["--engine-tolerance", "0.01"], "backend_tolerance", 0.01),
-    ("search", ["--target-length", "8k"], "lengths", [8192]),
+    ("search", ["--target-length", "8k"], "length", 8192),
+    ("search", ["--lengths", "8k"], "length", 8192),
+    ("finetune", ["--seq-len", "8k"], "length", 8192),
     ("passkey", ["--engine", "hf"], "backend", "hf"),
 ])
 def test_an_earlier_name_is_the_new_field_told_once(verb, argv, field, value, tmp_path):
@@ -56,9 +58,30 @@ def test_lm_eval_lengths_are_rulers_max_seq_lengths_one_run_each():
 
 
 def test_search_takes_one_length():
-    assert SearchConfig(lengths=[8192]).target_length == 8192
+    assert SearchConfig(length=8192).target_length == 8192
     with pytest.raises(RopePatchError, match="finds the factors of one length"):
-        SearchConfig(lengths=[8192, 16384])
+        SearchConfig(length=[8192, 16384])
+    with pytest.warns(RenamedOptionWarning):  # a YAML of before (--lengths, a list of one): read as it was
+        assert SearchConfig.from_options(lengths=[8192]).length == 8192
+
+
+def test_a_single_length_job_names_its_length_length():
+    """Issue 47: the length a single-length job runs at is --length (search, finetune); --lengths is an evaluation's
+    sweep (eval, passkey, lm-eval). --seq-len and search's --lengths are earlier names."""
+    from rope_patch.jobs import JOBS
+
+    single = {verb for verb, job in JOBS.items() if "length" in job.config.__dataclass_fields__}
+    sweeps = {verb for verb, job in JOBS.items() if "lengths" in job.config.__dataclass_fields__}
+    assert single == {"search", "finetune"} and sweeps == {"eval", "passkey", "lm-eval"}
+    for verb in single:
+        assert "--length LENGTH" in parse_help(verb) and "--lengths" not in parse_help(verb)
+    assert not [v for v, job in JOBS.items() if {"seq_len", "target_length"} & set(job.config.__dataclass_fields__)]
+
+
+def parse_help(verb: str) -> str:
+    from rope_patch.cli import build_parser
+
+    return build_parser().verbs[verb].format_help()
 
 
 def test_engine_is_exports_serving_engine_only():

@@ -132,7 +132,7 @@ def test_finetune_method_drope_recalibrates_and_reloads_exactly(tmp_path):
     from rope_patch.jobs.finetune import finetune
 
     workspace = write_training_workspace(tmp_path / "ws")
-    result = finetune(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), seq_len=96, steps=2, lr=3e-3,
+    result = finetune(model=str(workspace / "tiny"), dataset=str(workspace / "corpus"), length=96, steps=2, lr=3e-3,
                       warmup_steps=1, output=str(tmp_path / "run"), gradient_checkpointing=False, method="drope")
     assert rope_patch.current_patch(result.model)["method"] == "drope"
     assert result.model.config.rope_parameters["partial_rotary_factor"] == 0.0

@@ -195,7 +195,7 @@ def test_attention_dropout_is_refused_before_training_and_in_the_forward(workspa
     folder = tmp_path / "dropout"
     build_model(tiny_llama_config(attention_dropout=0.1)).save_pretrained(folder)
     make_char_tokenizer().save_pretrained(folder)
-    argv = ["finetune", "--model", str(folder), "--dataset", str(workspace / "corpus"), "--seq-len", str(SEQ_LEN),
+    argv = ["finetune", "--model", str(folder), "--dataset", str(workspace / "corpus"), "--length", str(SEQ_LEN),
             "--steps", "1", "--method", spec, "--output", str(tmp_path / "run"), "--no-progress"]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -212,7 +212,7 @@ def test_attention_dropout_is_refused_before_training_and_in_the_forward(workspa
 @pytest.mark.parametrize("spec", [DCA, f"yarn:factor=2+{DCA}"])
 def test_sequence_parallel_refuses_dca_in_one_line_before_loading(workspace, tmp_path, capsys, spec):
     """Ulysses wraps the core attention of each layer, which DCA's banded attention replaces: refused by name."""
-    argv = ["finetune", "--model", str(workspace / "tiny"), "--dataset", str(workspace / "corpus"), "--seq-len", "96",
+    argv = ["finetune", "--model", str(workspace / "tiny"), "--dataset", str(workspace / "corpus"), "--length", "96",
             "--steps", "1", "--method", spec, "--sequence-parallel", "2", "--output", str(tmp_path / "run")]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

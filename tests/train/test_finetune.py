@@ -236,7 +236,7 @@ def test_two_cpu_processes_train_like_one_with_the_same_global_batch(workspace, 
 
 
 def test_a_sequence_longer_than_the_whole_corpus_is_refused(workspace, tmp_path):
-    with pytest.raises(DataError, match="--seq-len 100,000"):
+    with pytest.raises(DataError, match="--length 100,000"):
         finetune(**options(workspace, tmp_path / "run", seq_len=100_000))
 
 
@@ -246,14 +246,14 @@ def test_a_lora_target_that_does_not_exist_is_refused(workspace, tmp_path):
 
 
 @pytest.mark.parametrize("pose, message", [
-    (dict(pose_target_len=96), "must exceed --seq-len 96"),
-    (dict(pose_target_len=50), "must exceed --seq-len"),
+    (dict(pose_target_len=96), "must exceed --length 96"),
+    (dict(pose_target_len=50), "must exceed --length"),
     (dict(pose_target_len=400, pose_chunks=0), "--pose-chunks must be between 1"),
     (dict(pose_target_len=400, pose_chunks=97), "--pose-chunks must be between 1"),
 ])
 def test_pose_settings_are_checked(pose, message):
     with pytest.raises(ConfigError, match=message):
-        FinetuneConfig(seq_len=96, **pose)
+        FinetuneConfig(length=96, **pose)
 
 
 def test_an_unknown_method_is_refused_before_anything_loads():
@@ -263,13 +263,13 @@ def test_an_unknown_method_is_refused_before_anything_loads():
 
 @pytest.mark.parametrize("argv, message", [
     (["--method", "lineer"], "lineer"),
-    (["--seq-len", "100000"], "fewer than one sequence"),
+    (["--length", "100000"], "fewer than one sequence"),
     (["--lora", "--lora-targets", "qkv"], "no such module"),
     (["--save-adapter"], "only apply with --lora"),
     (["--pose-target-len", "64"], "--pose-target-len 64 must exceed"),
 ])
 def test_the_command_line_prints_one_line_and_exits_2(workspace, tmp_path, capsys, argv, message):
-    base = ["finetune", "--model", str(workspace / "tiny"), "--dataset", str(workspace / "corpus"), "--seq-len", "96",
+    base = ["finetune", "--model", str(workspace / "tiny"), "--dataset", str(workspace / "corpus"), "--length", "96",
             "--steps", "1", "--output", str(tmp_path / "run")]
     assert cli_main(base + argv) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]  # after the model-loading progress bar

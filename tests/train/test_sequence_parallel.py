@@ -92,7 +92,7 @@ def test_a_size_that_does_not_divide_the_processes_is_refused(workspace, tmp_pat
 
 
 def test_a_sequence_that_does_not_split_evenly_is_refused():
-    with pytest.raises(ConfigError, match="--seq-len 255 does not split evenly into --sequence-parallel 2"):
+    with pytest.raises(ConfigError, match="--length 255 does not split evenly into --sequence-parallel 2"):
         check_sequence_parallel(2, processes=2, seq_len=255)
 
 
@@ -126,7 +126,7 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
 
 
 def test_the_command_line_prints_one_line_and_exits_2(workspace, tmp_path, capsys):
-    argv = ["finetune", "--model", str(workspace / "tiny"), "--dataset", str(workspace / "corpus"), "--seq-len", "256",
+    argv = ["finetune", "--model", str(workspace / "tiny"), "--dataset", str(workspace / "corpus"), "--length", "256",
             "--steps", "1", "--output", str(tmp_path / "run"), "--sequence-parallel", "2"]
     assert cli_main(argv) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]

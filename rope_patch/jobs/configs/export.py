@@ -58,6 +58,9 @@ class ExportConfig(JobConfig):
     def check_runnable(cls, options) -> None:
         """--print-args writes no folder: --output is not needed, and refused if given."""
         if options.get("print_args") not in (None, False, "false", "no", "off", "0"):
+            if options.get("engine") == "transformers":  # before any import or model: nothing to print
+                raise ConfigError("export --print-args: transformers reads the RoPE from config.json only, with no "
+                                  "load-time override: drop --print-args and export the folder with --output DIR")
             if options.get("output") is not None or options.get("gguf") is not None:
                 raise ConfigError("export --print-args writes nothing: drop --output and --gguf (the flags serve "
                                   "the original model or GGUF as it is)")

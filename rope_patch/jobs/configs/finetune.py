@@ -35,14 +35,15 @@ class FinetuneConfig(JobConfig):
                                   metavar="FACTOR")
     long_threshold: int | None = option(None, "with --upsample-long, the tokens above which a document is long, e.g. "
                                               "8k", tokens=True, metavar="TOKENS")
-    seq_len: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
-                                 "tokens)", tokens=True)
-    pose_target_len: int | None = option(None, "PoSE: train for this window with --seq-len sequences whose chunks get "
+    # --length, the length a single-length job runs at (search's too; an evaluation's sweep is --lengths)
+    length: int = option(16384, "tokens per training sequence (documents joined by EOS, cut into exactly this many "
+                                "tokens)", tokens=True, aliases=("seq_len",))
+    pose_target_len: int | None = option(None, "PoSE: train for this window with --length sequences whose chunks get "
                                                "random position skips reaching up to it, e.g. 32k (default: off)",
                                          tokens=True)
     pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
     mixed_window: bool = option(False, "LongRoPE2's mixed context window: sequences up to the native length train "
-                                       "with the original RoPE, --seq-len ones with the method's, in one run; saved "
+                                       "with the original RoPE, --length ones with the method's, in one run; saved "
                                        "as transformers' longrope (short factors 1), which switches by length. The "
                                        "method's attention factor must be 1 (e.g. yarn:factor=2,attention_factor=1)")
     short_share: float = option(0.5, "with --mixed-window, the share of micro-batches of short sequences (a short "
@@ -119,6 +120,11 @@ class FinetuneConfig(JobConfig):
     progress: bool = progress_option()
     estimate_for: str | None = estimate_for_option()
 
+    @property
+    def seq_len(self) -> int:
+        """``--length`` under its earlier name, as the training code and the checkpoints' run key read it."""
+        return self.length
+
     def check_data(self) -> bool:
         """The data options (``--dataset`` sources and weights, upsampling): refused in one line before any model
         loads. Whether a source is short."""
@@ -145,7 +151,7 @@ class FinetuneConfig(JobConfig):
 
         if self.mlp_tile is not None and self.mlp_tile <= 0:
             raise ConfigError(f"--mlp-tile must be a positive number of tokens, got {self.mlp_tile!r}")
-        for name in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
+        for name in ("length", "steps", "batch_size", "grad_accum", "lora_rank", "log_every", "sequence_parallel"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {getattr(self, name)!r}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.save_every < 0 or self.max_grad_norm < 0:
@@ -156,11 +162,11 @@ class FinetuneConfig(JobConfig):
             raise ConfigError("--lora needs at least one module name in --lora-targets, e.g. q_proj,v_proj")
         if (self.save_adapter or self.train_embeddings_and_norms) and not self.lora:
             raise ConfigError("--save-adapter and --train-embeddings-and-norms only apply with --lora; add --lora or drop them")
-        if self.pose_target_len is not None and self.pose_target_len <= self.seq_len:
-            raise ConfigError(f"--pose-target-len {self.pose_target_len:,} must exceed --seq-len {self.seq_len:,}: PoSE "
-                              "trains a longer window than its sequences (drop it to train at --seq-len)")
-        if not 1 <= self.pose_chunks <= self.seq_len:
-            raise ConfigError(f"--pose-chunks must be between 1 and --seq-len, got {self.pose_chunks!r} (the paper uses 2)")
+        if self.pose_target_len is not None and self.pose_target_len <= self.length:
+            raise ConfigError(f"--pose-target-len {self.pose_target_len:,} must exceed --length {self.length:,}: PoSE "
+                              "trains a longer window than its sequences (drop it to train at --length)")
+        if not 1 <= self.pose_chunks <= self.length:
+            raise ConfigError(f"--pose-chunks must be between 1 and --length, got {self.pose_chunks!r} (the paper uses 2)")
         parse_method_spec(self.method)  # an unknown method fails now, before any model is loaded
         check_spec_alone(self.method)  # and one that leaves out a parameter with no default
         short = self.check_data()
@@ -184,7 +190,7 @@ class FinetuneConfig(JobConfig):
                                   "token share: drop --short-share")
             if self.short_len is not None and not 0 < self.short_len < self.seq_len:
                 raise ConfigError(f"--short-len {self.short_len}: short sources pack sequences of a positive number "
-                                  f"of tokens below --seq-len {self.seq_len:,}")
+                                  f"of tokens below --length {self.seq_len:,}")
             if self.pose_target_len is not None or self.sequence_parallel > 1:
                 raise ConfigError("a short source trains whole sequences of two lengths; drop --pose-target-len and "
                                   "--sequence-parallel, or the :short mark")

@@ -22,12 +22,13 @@ class SearchConfig(SweepConfig):
     method: list[str] = option([], "a method the held-out table compares the searched factors with; repeat for "
                                    "several (default: linear, ntk, yarn and ntk_by_parts at --factor)",
                                repeat=True, split=False, metavar="SPEC", spec=True)
-    # --lengths, as every evaluation names its lengths (before: --target-length); one search finds one set of
-    # factors, so one length: search another with another run (and --output)
-    lengths: list[int] = option([16384], "the length the factors are searched for (beyond the native length), e.g. "
-                                         "16k; one per search", tokens=True, aliases=("target_length",))
+    # --length, the length a single-length job runs at (finetune's too; an evaluation's sweep is --lengths); one
+    # search finds one set of factors, so one length: search another with another run (and --output). Earlier names:
+    # --lengths (one value), --target-length
+    length: int = option(16384, "the length the factors are searched for (beyond the native length), e.g. 16k",
+                         tokens=True, aliases=("lengths", "target_length"))
     factor: float | None = option(None, "scale factor s: LongRoPE's attention factor sqrt(1 + ln s / ln L), factors "
-                                        "within [1, 1 + s], YaRN's starting factors (default: --lengths / native length)")
+                                        "within [1, 1 + s], YaRN's starting factors (default: --length / native length)")
     dataset: str | None = option(None, "documents, the sources of 'rope-patch eval' (default: the embedded corpus)")
     split: str | None = option(None, EVAL_SPLIT_HELP)
     subset: str | None = option(None, "configuration name of a hub data set, if it has several")
@@ -86,14 +87,19 @@ class SearchConfig(SweepConfig):
 
     @property
     def target_length(self) -> int:
-        """The one length of ``--lengths``: the length the factors are searched for."""
-        return self.lengths[0]
+        """``--length``: the length the factors are searched for."""
+        return self.length
+
+    def __post_init__(self) -> None:
+        if isinstance(self.length, (list, tuple)):  # the earlier --lengths, a list in YAML: [16384]
+            if len(self.length) != 1:
+                raise ConfigError(f"--length {','.join(map(str, self.length))}: a search finds the factors of one "
+                                  "length; give one, and search each other length in its own run (its own --output)")
+            (self.length,) = self.length
+        super().__post_init__()
 
     def validate(self) -> None:
         super().validate()
-        if len(self.lengths) != 1:
-            raise ConfigError(f"--lengths {','.join(map(str, self.lengths))}: a search finds the factors of one "
-                              "length; give one, and search each other length in its own run (its own --output)")
         if self.documents < 1 or self.heldout_documents < 0 or self.loss_chunk < 1:
             raise ConfigError("--documents and --loss-chunk must be positive, --heldout-documents not negative")
         if self.factor is not None and self.factor <= 1:
@@ -103,7 +109,7 @@ class SearchConfig(SweepConfig):
             raise ConfigError(f"--max-short-cost {self.max_short_cost}: give a share of at least 0, e.g. 0.01 for "
                               "at most +1 % perplexity at the native length")
         if self.screen_length is not None and not 0 < self.screen_length < self.target_length:
-            raise ConfigError(f"--screen-length {self.screen_length:,}: give a length below --lengths "
+            raise ConfigError(f"--screen-length {self.screen_length:,}: give a length below --length "
                               f"{self.target_length:,} (and above the native length), or leave it out")
         if self.screen_documents is not None and not 1 <= self.screen_documents <= self.documents:
             raise ConfigError(f"--screen-documents {self.screen_documents}: give 1 to --documents "
