@@ -145,3 +145,33 @@ def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigError, match="--attn-implementation sdpa"):
         check_document_packing(flash, restart=True, pose=True)
+
+
+def test_finetune_trains_each_document_alone(tmp_path):
+    """The loop's wiring: with lr 1e-10 each step's logged loss is the starting model's loss on its documents alone
+    (transformers' own loss on each), and the checkpoint key names the packing."""
+    from transformers import AutoTokenizer
+
+    from rope_patch.jobs.finetune import finetune
+    from tiny_models import make_char_tokenizer, tiny_llama_config
+
+    build_model(tiny_llama_config(initializer_range=0.5)).save_pretrained(tmp_path / "tiny")
+    make_char_tokenizer().save_pretrained(tmp_path / "tiny")
+    (tmp_path / "corpus").mkdir()
+    for i in range(16):
+        (tmp_path / "corpus" / f"doc{i}.txt").write_text(f"the cat {i} sat. " * (1 + i % 4))  # 15 to 60 tokens
+    result = finetune(model=str(tmp_path / "tiny"), dataset=str(tmp_path / "corpus"), method="yarn:factor=2",
+                      seq_len=128, packing="documents", steps=2, lr=1e-10, warmup_steps=0, dtype="fp32",
+                      attn_implementation="sdpa", output=str(tmp_path / "run"), gradient_checkpointing=False)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    data = PackedSequences.from_source(str(tmp_path / "corpus"), tokenizer, seq_len=128, hold_out=True)
+    model = build_model(tiny_llama_config(initializer_range=0.5))
+    model.config._attn_implementation = "sdpa"
+    rope_patch.patch(model, "yarn", factor=2.0)
+    for step, trained in result.losses.items():
+        ids, segments = data.batch(step - 1, 0, 0, 1, 1, 1), data.segments(step - 1, 0, 0, 1, 1, 1)
+        assert segments.max() >= 1  # a boundary in each sequence
+        with torch.no_grad():
+            expected = alone_loss(model, ids, segments, document_batch(ids, segments).position_ids)
+        assert trained == pytest.approx(expected.item(), abs=1e-5), step
+    assert "packing" in (tmp_path / "run" / "finetune_config.yaml").read_text()
