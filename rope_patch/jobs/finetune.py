@@ -186,7 +186,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
                             model=model, pose=config.pose_target_len is not None)
     if config.packing == "documents":
         check_document_packing(model, restart=config.document_positions == "restart",
-                               pose=config.pose_target_len is not None)
+                               pose=config.pose_target_len is not None, batch_size=config.batch_size)
     patched = model  # where the patch lives, whatever wraps it later (fixed lengths under sequence parallelism)
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         trained = training_data(sources, texts, tokenizer, seq_len=config.seq_len, short_len=short_len,

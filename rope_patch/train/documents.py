@@ -12,8 +12,9 @@ arXiv:2410.02660: no attention across document boundaries):
 
 How the mask reaches the attention: with restart positions and no PoSE, no mask is passed at all, and transformers'
 packed-sequence path reads the documents from the position ids (every jump of the ids starts a new sequence:
-``masking_utils.find_packed_sequence_indices`` for sdpa, eager and FlexAttention, varlen ``cu_seqlens`` for flash
-attention); the ids jump exactly at each document's start, nowhere else. Otherwise the ids jump inside documents (PoSE)
+``masking_utils.find_packed_sequence_indices`` for sdpa, eager and FlexAttention; varlen ``cu_seqlens`` for flash
+attention, which transformers reads from the ids of a batch of one only); the ids jump exactly at each document's
+start, nowhere else. Otherwise the ids jump inside documents (PoSE)
 or never (continue), so a 4D block-diagonal mask is passed, which only sdpa and eager take (transformers passes a 4D
 mask as it is, also to sliding-window layers, which would lose their window: refused there).
 """
@@ -81,11 +82,19 @@ def document_batch(input_ids: torch.Tensor, segments: torch.Tensor, *, restart: 
     return DocumentBatch(position_ids, targets, mask)
 
 
-def check_document_packing(model: nn.Module, *, restart: bool, pose: bool) -> None:
+def check_document_packing(model: nn.Module, *, restart: bool, pose: bool, batch_size: int = 1) -> None:
     """Refuse, in one line, a loaded model whose attention cannot take the documents exactly."""
     attention = getattr(model.config, "_attn_implementation", None)
-    if not needs_mask(restart=restart, pose=pose):
-        return  # transformers' packed-sequence path, for every implementation
+    if not needs_mask(restart=restart, pose=pose):  # transformers' packed-sequence path
+        if attention in MASKED_ATTENTION + ("flex_attention",):
+            return  # masking_utils reads the documents from the ids, for any batch
+        if attention in ("flash_attention_2", "flash_attention_3"):
+            if batch_size != 1:  # transformers' flash path reads packed ids only in a batch of one
+                raise ConfigError(f"--packing documents with {attention} needs --batch-size 1 (transformers reads "
+                                  "packed documents from the position ids of one sequence only); raise --grad-accum")
+            return
+        raise ConfigError(f"--packing documents: {attention} attention has no packed-sequence path that rope_patch "
+                          "can vouch for; use --attn-implementation sdpa, eager, flex_attention or flash_attention_2")
     why = "PoSE's skipping position ids" if pose else "--document-positions continue"
     if attention not in MASKED_ATTENTION:
         raise ConfigError(f"--packing documents with {why} needs a 4D document mask, which {attention} attention "

@@ -145,6 +145,9 @@ def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigError, match="--attn-implementation sdpa"):
         check_document_packing(flash, restart=True, pose=True)
+    check_document_packing(flash, restart=True, pose=False)  # varlen from the restarting ids, one sequence
+    with pytest.raises(ConfigError, match="--batch-size 1"):
+        check_document_packing(flash, restart=True, pose=False, batch_size=2)
 
 
 def test_finetune_trains_each_document_alone(tmp_path):
