@@ -77,10 +77,12 @@ def gradients(model):
 @pytest.mark.parametrize("family, restart, pose, lora, attention", [
     ("llama", True, False, False, "sdpa"),  # transformers' packed-sequence path (ids restart, no mask passed)
     ("qwen2", True, True, True, "sdpa"),  # PoSE's skips within documents: the 4D mask; LoRA's gradients
-    ("gemma", False, False, False, "eager"),  # positions continue: the additive 4D mask of eager attention
+    ("gemma", False, False, False, "eager"),  # positions continue: the additive 4D mask of eager attention; tiled MLP
     ("phi3", False, True, True, "sdpa"),
 ])
 def test_a_packed_step_gives_the_loss_and_gradients_of_each_document_alone(family, restart, pose, lora, attention):
+    from rope_patch.train.long_sequences import install_long_sequence_pieces
+
     model = build_model(family_config(family))
     model.config._attn_implementation = attention
     rope_patch.patch(model, "yarn", factor=2.0)
@@ -88,6 +90,7 @@ def test_a_packed_step_gives_the_loss_and_gradients_of_each_document_alone(famil
         targets = ["qkv_proj"] if family == "phi3" else ["q_proj", "v_proj"]
         model = add_lora(model, rank=4, alpha=8, targets=targets)
     model.train()  # dropout is 0 in the tiny configs
+    pieces = install_long_sequence_pieces(model, offload=False, tiled=family == "gemma", tile=16)
     data = packed()
     input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)  # (2, 48) each
     assert (segments.max(dim=1).values >= 1).all()  # several documents in each row
@@ -98,6 +101,7 @@ def test_a_packed_step_gives_the_loss_and_gradients_of_each_document_alone(famil
     loss.backward()
     packed_grads = gradients(model)
     model.zero_grad()
+    pieces.remove()  # the oracle: plain transformers
 
     expected = alone_loss(model, input_ids, segments, documents.position_ids)
     expected.backward()
