@@ -213,6 +213,14 @@ class SourceMixture:
         rows = [self.sequence(p) for p in self.positions(step, micro, rank, ranks, batch_size, grad_accum)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
+    def segments(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
+        """(batch_size, seq_len) int64 document index of each token of ``batch``'s rows (``--packing documents``)."""
+        rows = []
+        for p in self.positions(step, micro, rank, ranks, batch_size, grad_accum):
+            source, index = self.locate(p)
+            rows.append(self.sources[source].document_ids(index))
+        return torch.from_numpy(np.stack(rows))
+
 
 def short_micro_share(short_weight: float, long_len: int, short_len: int) -> float:
     """The share of micro-batches that are short for short sources to have token share ``short_weight``: q with

@@ -47,7 +47,7 @@ class PackedSequences:
     """A fixed set of ``seq_len``-token sequences, read in a seeded order that is reshuffled on every pass."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, *, seed: int = 0, source: str = "the documents",
-                 num_documents: int | None = None):
+                 num_documents: int | None = None, starts: np.ndarray | None = None):
         count = len(tokens) // seq_len
         if count == 0:
             raise DataError(f"{source}: all documents joined give {len(tokens):,} tokens, fewer than one sequence of "
@@ -57,6 +57,8 @@ class PackedSequences:
         self.num_documents, self.num_tokens = num_documents, len(tokens)
         self._order_epoch, self._order = -1, np.arange(0)
         self.trained: list[TokenizedDocument] = []  # the documents packed (from_source sets them)
+        # where each document begins in the joined stream (its BOS, else its first token): --packing documents
+        self.starts = np.zeros(1, np.int64) if starts is None else np.asarray(starts, np.int64)  # (documents,)
 
     @classmethod
     def from_documents(cls, documents: Sequence[TokenizedDocument], *, eos_id: int, bos_id: int | None = None,
@@ -66,7 +68,9 @@ class PackedSequences:
         eos = np.array([eos_id], np.int32)
         parts = [part for doc in documents for part in (*bos, doc.ids, eos)]
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        return cls(tokens, seq_len, seed=seed, source=source, num_documents=len(documents))
+        lengths = np.array([len(doc.ids) + 1 + len(bos) for doc in documents], np.int64)  # (documents,)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        return cls(tokens, seq_len, seed=seed, source=source, num_documents=len(documents), starts=starts)
 
     @classmethod
     def from_source(cls, source: str | os.PathLike | None, tokenizer, *, seq_len: int, seed: int = 0,
@@ -119,12 +123,27 @@ class PackedSequences:
         return (f"{self.source}: {self.num_documents} documents, {self.num_tokens:,} tokens -> {len(self):,} sequences "
                 f"of {self.seq_len:,} tokens")
 
-    def sequence(self, position: int) -> np.ndarray:
-        """The ``position``-th sequence of the run: pass ``position // len(self)``, shuffled with ``seed + pass``."""
+    def row(self, position: int) -> int:
+        """Which packed sequence the ``position``-th of the run is: pass ``position // len(self)``, shuffled with
+        ``seed + pass``."""
         epoch, index = divmod(position, len(self))
         if epoch != self._order_epoch:
             self._order_epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self))
-        return self.sequences[self._order[index]]
+        return int(self._order[index])
+
+    def sequence(self, position: int) -> np.ndarray:
+        """The ``position``-th sequence of the run (``row``)."""
+        return self.sequences[self.row(position)]
+
+    def document_ids(self, position: int) -> np.ndarray:
+        """(seq_len,) int64: which document each token of the ``position``-th sequence belongs to, counted from 0 in
+        the sequence (the first is often the tail of a document cut by the previous sequence)."""
+        first = self.row(position) * self.seq_len
+        inside = self.starts[np.searchsorted(self.starts, first, side="right"):
+                             np.searchsorted(self.starts, first + self.seq_len, side="left")] - first
+        begins = np.zeros(self.seq_len, np.int64)
+        begins[inside] = 1
+        return np.cumsum(begins)
 
     @staticmethod
     def positions(step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> range:
@@ -141,6 +160,11 @@ class PackedSequences:
         """The (batch_size, seq_len) int64 input ids that process ``rank`` trains on at this micro-step."""
         rows = [self.sequence(p) for p in self.positions(step, micro, rank, ranks, batch_size, grad_accum)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def segments(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
+        """(batch_size, seq_len) int64 document index of each token of ``batch``'s rows (``--packing documents``)."""
+        rows = [self.document_ids(p) for p in self.positions(step, micro, rank, ranks, batch_size, grad_accum)]
+        return torch.from_numpy(np.stack(rows))
 
 
 class MixedSequences:
@@ -189,6 +213,11 @@ class MixedSequences:
     def batch(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
         """(batch_size, short or long seq_len) int64 input ids of one process's micro-batch."""
         return self.stream(step, micro, rank, ranks, grad_accum).batch(step, micro, rank, ranks, batch_size, grad_accum)
+
+    def segments(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
+        """(batch_size, short or long seq_len) document index of each token of ``batch``'s rows."""
+        stream = self.stream(step, micro, rank, ranks, grad_accum)
+        return stream.segments(step, micro, rank, ranks, batch_size, grad_accum)
 
 
 def sequence_lengths(data: PackedSequences | MixedSequences, steps: range, ranks: int, batch_size: int,

@@ -34,6 +34,7 @@ from ..patching.attention import check_attention_dropout
 from ..patching.flex import attention_kernel
 from ..eval.sweep import model_fingerprint
 from ..train.engines import engine_name, process_group_kwargs, select_fsdp_on_cpu
+from ..train.documents import check_document_packing
 from ..train.checkpoints import (TrainingState, check_distributed, check_output_checkpoints, load_checkpoint,
                                  newest_checkpoint, output_lock, params_sharded, resume_checkpoint,
                                  save_final_model_resumably, write_failure)
@@ -184,6 +185,9 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     check_attention_dropout(model)  # before any work: an attention method applies no attention dropout
     check_sequence_parallel(config.sequence_parallel, processes=accelerator.num_processes, seq_len=config.seq_len,
                             model=model, pose=config.pose_target_len is not None)
+    if config.packing == "documents":
+        check_document_packing(model, restart=config.document_positions == "restart",
+                               pose=config.pose_target_len is not None, batch_size=config.batch_size)
     patched = model  # where the patch lives, whatever wraps it later (fixed lengths under sequence parallelism)
     with accelerator.main_process_first():  # one process tokenises and caches, the others read the cache
         trained = training_data(sources, texts, tokenizer, seq_len=config.seq_len, short_len=short_len,
@@ -196,6 +200,7 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     key = {field: getattr(config, field) for field in CHECKPOINT_KEY}
     key |= {"layer_types": config.layer_types} if config.layer_types else {}  # older runs' keys stay as they were
     key |= {"mixed_window": [config.short_share, short_len]} if config.mixed_window else {}
+    key |= {"packing": [config.packing, config.document_positions]} if config.packing != "joined" else {}
     key |= {"method": method_label(name, params),  # an @FILE spec by its content
             "model": original_model, "data": data.fingerprint(),
             "global_batch": config.batch_size * config.grad_accum * layout.replicas,
@@ -232,7 +237,9 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
     if accelerator.is_main_process:
         shards = f", each split over {layout.size} processes" if layout.size > 1 else ""
         pieces = describe(offload, tiled, config.mlp_tile, patched)
-        accelerator.print(f"{report}\n{data.describe()}; global batch "
+        packing = (f"; packed by document, positions {config.document_positions}" if config.packing == "documents"
+                   else "")
+        accelerator.print(f"{report}\n{data.describe()}{packing}; global batch "
                           f"{config.batch_size * config.grad_accum * layout.replicas} x {config.seq_len} tokens{shards}"
                           f"; {engine_name(accelerator)}" + (f"\n{pieces}" if pieces else ""))
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))

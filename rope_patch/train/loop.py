@@ -21,6 +21,7 @@ from ..data import PackedSequences, pose_batch
 from ..errors import ConfigError
 from ..loss import HeadLoss, causal_lm_loss
 from .checkpoints import TrainingState, params_sharded, save_checkpoint
+from .documents import DocumentBatch, document_batch
 from .interrupt import StopRequest, TrainingInterrupted
 from .log import TrainingLog
 from .sequence_parallel import SequenceLayout, shard_loss
@@ -70,7 +71,8 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                     plain: bool = False, head_loss: HeadLoss | None = None) -> torch.Tensor:
+                     plain: bool = False, head_loss: HeadLoss | None = None,
+                     documents: DocumentBatch | None = None) -> torch.Tensor:
     """Mean next-token loss of a micro-batch ``input_ids`` (B, L), without full-vocabulary logits
     (``rope_patch.loss.causal_lm_loss``). Every micro-batch scores B × (L − 1) tokens, so accelerate's division by
     the accumulation steps and DDP's mean over processes make it exactly the mean over the optimizer step's tokens;
@@ -78,13 +80,21 @@ def micro_batch_loss(model: torch.nn.Module, input_ids: torch.Tensor, *, positio
 
     ``plain``: the model's own loss, for FSDP and DeepSpeed ZeRO-3, whose output head is whole only inside the
     model's forward pass. ``head_loss``: a fused linear cross-entropy kernel for the output head (``--kernels``).
+    ``documents``: ``--packing documents``' ids, targets and mask (``position_ids`` then unused); the micro-batch's
+    mean is over its scored tokens (B × (L − 1) less one per document boundary), so the step's loss is the mean of
+    the micro-batches' means.
     """
     # PoSE's ids jump between chunks; with no attention mask, transformers would read each jump as the start of a new
     # packed sequence and block attention across chunks. An all-ones mask (no padding) keeps one causal sequence.
     mask = torch.ones_like(input_ids) if position_ids is not None else None
+    targets = None
+    if documents is not None:  # None as mask: transformers reads the documents from the restarting ids
+        position_ids, mask, targets = documents.position_ids, documents.attention_mask, documents.targets
     if plain:
-        return model(input_ids=input_ids, labels=input_ids, position_ids=position_ids, attention_mask=mask).loss
-    nll, count = causal_lm_loss(model, input_ids, position_ids=position_ids, attention_mask=mask, head_loss=head_loss)
+        labels = {"labels": input_ids} if targets is None else {"labels": targets, "shift_labels": targets}
+        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **labels).loss
+    nll, count = causal_lm_loss(model, input_ids, targets=targets, position_ids=position_ids, attention_mask=mask,
+                                head_loss=head_loss)
     return nll / count
 
 
@@ -103,6 +113,8 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
     state = state or TrainingState(accelerator, model, optimizer, scheduler)
     ranks, rank = layout.replicas, layout.replica  # the processes of a sequence group train on the same sequences
     plain_loss = params_sharded(accelerator)
+    packing = getattr(config, "packing", "joined")
+    attention = getattr((patched or accelerator.unwrap_model(model)).config, "_attn_implementation", None)
     losses: dict[int, float] = {}
     bar = tqdm(total=config.steps, initial=progress.step, desc="finetune", unit="step",
                disable=not accelerator.is_local_main_process or not config.progress)
@@ -117,13 +129,18 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
                 positions = data.positions(step, micro, rank, ranks, config.batch_size, config.grad_accum)
                 position_ids = pose_batch(positions, config.seq_len, config.pose_target_len, chunks=config.pose_chunks,
                                           seed=config.seed).to(accelerator.device)  # (B, seq_len)
+            documents = None
+            if packing == "documents":  # each document of a sequence trained as if alone
+                segments = data.segments(step, micro, rank, ranks, config.batch_size, config.grad_accum)
+                documents = document_batch(input_ids, segments.to(accelerator.device), position_ids=position_ids,
+                                           restart=config.document_positions == "restart", attention=attention)
             with accelerator.accumulate(model):
                 if layout.size > 1:
                     loss = shard_loss(model, patched, input_ids, layout, position_ids=position_ids, head_loss=head_loss,
                                       plain=plain_loss)
                 else:
                     loss = micro_batch_loss(model, input_ids, position_ids=position_ids, plain=plain_loss,
-                                            head_loss=head_loss)
+                                            head_loss=head_loss, documents=documents)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and config.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)

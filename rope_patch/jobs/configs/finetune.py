@@ -41,6 +41,12 @@ class FinetuneConfig(JobConfig):
     pose_target_len: int | None = option(None, "PoSE: train for this window with --length sequences whose chunks get "
                                                "random position skips reaching up to it, e.g. 32k (default: off)",
                                          tokens=True)
+    packing: str = option("joined", "joined: every token attends to every earlier one of its sequence, across the "
+                                    "documents joined by EOS; documents: attention and loss stay within each "
+                                    "document (ProLong), as if each were trained alone", choices=("joined", "documents"))
+    document_positions: str = option("restart", "with --packing documents, position ids restart at 0 at each "
+                                                "document, or continue through the sequence",
+                                     choices=("restart", "continue"))
     pose_chunks: int = option(2, "PoSE: chunks per sequence, each with its own skip (the paper's default: 2)")
     mixed_window: bool = option(False, "LongRoPE2's mixed context window: sequences up to the native length train "
                                        "with the original RoPE, --length ones with the method's, in one run; saved "
@@ -145,6 +151,32 @@ class FinetuneConfig(JobConfig):
             raise ConfigError(f"--long-threshold {self.long_threshold}: give a positive number of tokens, e.g. 8k")
         return any(source.short for source in sources)
 
+    def check_packing(self) -> None:
+        """``--packing documents``: the combinations it cannot train exactly, refused in one line before loading."""
+        from ...methods import frequency_and_attention, get_method
+
+        if self.packing != "documents":
+            if self.document_positions != "restart":
+                raise ConfigError("--document-positions applies only with --packing documents; add it or drop it")
+            return
+        frequency, attention = frequency_and_attention(self.method)
+        if attention:
+            raise ConfigError(f"--packing documents cannot train {self.method}: its attention layout spans the whole "
+                              "sequence, not each document; train a frequency method, or use --packing joined")
+        if frequency and get_method(frequency[0]).length_dependent:
+            raise ConfigError(f"--packing documents cannot train {frequency[0]}: its frequencies follow the sequence's "
+                              "length, not each document's; train a static method, or use --packing joined")
+        if self.mixed_window:
+            raise ConfigError("--packing documents with --mixed-window: longrope switches factors by the longest "
+                              "position of the micro-batch, not of each document; drop one of them")
+        if self.sequence_parallel > 1:
+            raise ConfigError("--packing documents with --sequence-parallel: Ulysses' attention takes no document "
+                              "mask; drop one of them")
+        if self.attn_implementation not in (None, "sdpa", "eager") and (
+                self.pose_target_len is not None or self.document_positions == "continue"):
+            raise ConfigError("--packing documents with PoSE or --document-positions continue needs a 4D document "
+                              f"mask, which {self.attn_implementation} does not take; use --attn-implementation sdpa")
+
     def validate(self) -> None:
         from ...kernels import check_kernels_available
         from ...methods import check_spec_alone, frequency_and_attention, parse_method_spec
@@ -196,6 +228,7 @@ class FinetuneConfig(JobConfig):
                                   "--sequence-parallel, or the :short mark")
         elif self.short_len is not None or self.short_share != 0.5:
             raise ConfigError("--short-share and --short-len apply only with --mixed-window; add it or drop them")
+        self.check_packing()
         if self.sequence_parallel > 1 and frequency_and_attention(self.method)[1]:
             raise ConfigError(f"--sequence-parallel cannot run {self.method}: its banded attention is not the core "
                               "attention Ulysses wraps; train a frequency method, add the attention method at eval")

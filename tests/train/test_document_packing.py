@@ -1,0 +1,184 @@
+"""``--packing documents``: a packed micro-batch trains exactly as its documents would, each alone.
+
+The oracle is transformers' own loss on each document run alone (its own position ids, no packing), summed over the
+documents and divided by their scored tokens: the packed step must give that loss and every gradient (fp32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import build_model, family_config
+
+import rope_patch
+from rope_patch.data import PackedSequences, pose_batch
+from rope_patch.data.mixture import SourceMixture
+from rope_patch.data.packing import MixedSequences
+from rope_patch.data.tokens import TokenizedDocument
+from rope_patch.errors import ConfigError
+from rope_patch.jobs.configs.finetune import FinetuneConfig
+from rope_patch.train.documents import check_document_packing, document_batch
+from rope_patch.train.loop import micro_batch_loss
+from rope_patch.train.lora import add_lora
+
+SEQ_LEN = 48
+LENGTHS = (30, 7, 1, 22, 40, 12)  # a one-token document, and documents cut by the sequence boundary
+
+
+def packed(lengths=LENGTHS, seq_len=SEQ_LEN, *, bos=None, seed=0) -> PackedSequences:
+    rng = np.random.default_rng(seed)
+    documents = [TokenizedDocument(f"d{i}", rng.integers(3, 128, n).astype(np.int32)) for i, n in enumerate(lengths)]
+    return PackedSequences.from_documents(documents, eos_id=2, bos_id=bos, seq_len=seq_len, seed=seed)
+
+
+def test_segments_follow_the_joined_documents():
+    data = packed(bos=1)  # [BOS] doc EOS: units of 32, 9, 3, 24, 42, 14 tokens = 124 -> 2 sequences of 48
+    starts = np.cumsum([0, 32, 9, 3, 24, 42])
+    for position in range(2):
+        row, ids = data.row(position), data.document_ids(position)
+        expected = np.searchsorted(starts, np.arange(row * SEQ_LEN, (row + 1) * SEQ_LEN), side="right")
+        assert np.array_equal(ids, expected - expected[0])  # numbered from 0 within the sequence
+        assert np.all(data.sequence(position)[np.flatnonzero(np.diff(ids)) + 1] == 1)  # each new one starts at BOS
+    segments = data.segments(0, 0, 0, 1, 2, 1)
+    assert segments.shape == (2, SEQ_LEN) and segments.dtype == torch.int64
+    # a mixture and a mixed window forward the segments of the stream and sequence they read
+    other = packed((50, 60, 5), seed=1)
+    mixture = SourceMixture([data, other], [1.0, 1.0], seed=3)
+    for p in range(6):
+        source, index = mixture.locate(p)
+        assert torch.equal(mixture.segments(p, 0, 0, 1, 1, 1)[0],
+                           torch.from_numpy([data, other][source].document_ids(index)))
+    mixed = MixedSequences(data, packed(LENGTHS, 16), short_share=0.5, seed=0)
+    for step in range(4):
+        stream = mixed.stream(step, 0, 0, 1, 1)
+        assert torch.equal(mixed.segments(step, 0, 0, 1, 1, 1), stream.segments(step, 0, 0, 1, 1, 1))
+
+
+def alone_loss(model, input_ids, segments, position_ids):
+    """Σ over documents of transformers' own loss on the document alone × its scored tokens, and their count."""
+    total, count = torch.zeros(()), 0
+    for b in range(input_ids.shape[0]):
+        for document in segments[b].unique():
+            where = (segments[b] == document).nonzero().squeeze(1)
+            if len(where) < 2:
+                continue  # nothing to predict
+            ids, positions = input_ids[b, where][None], position_ids[b, where][None]
+            out = model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids), labels=ids)
+            total = total + out.loss * (len(where) - 1)
+            count += len(where) - 1
+    return total / count
+
+
+def gradients(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("family, restart, pose, lora, attention", [
+    ("llama", True, False, False, "sdpa"),  # transformers' packed-sequence path (ids restart, no mask passed)
+    ("qwen2", True, True, True, "sdpa"),  # PoSE's skips within documents: the 4D mask; LoRA's gradients
+    ("gemma", False, False, False, "eager"),  # positions continue: the additive 4D mask of eager attention; tiled MLP
+    ("phi3", False, True, True, "sdpa"),
+])
+def test_a_packed_step_gives_the_loss_and_gradients_of_each_document_alone(family, restart, pose, lora, attention):
+    from rope_patch.train.long_sequences import install_long_sequence_pieces
+
+    model = build_model(family_config(family))
+    model.config._attn_implementation = attention
+    rope_patch.patch(model, "yarn", factor=2.0)
+    if lora:
+        targets = ["qkv_proj"] if family == "phi3" else ["q_proj", "v_proj"]
+        model = add_lora(model, rank=4, alpha=8, targets=targets)
+    model.train()  # dropout is 0 in the tiny configs
+    pieces = install_long_sequence_pieces(model, offload=False, tiled=family == "gemma", tile=16)
+    data = packed()
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)  # (2, 48) each
+    assert (segments.max(dim=1).values >= 1).all()  # several documents in each row
+    pose_ids = pose_batch(range(2), SEQ_LEN, 4 * SEQ_LEN, chunks=3, seed=5) if pose else None
+    documents = document_batch(input_ids, segments, restart=restart, position_ids=pose_ids, attention=attention)
+    assert (documents.attention_mask is None) == (restart and not pose)
+    loss = micro_batch_loss(model, input_ids, documents=documents)
+    loss.backward()
+    packed_grads = gradients(model)
+    model.zero_grad()
+    pieces.remove()  # the oracle: plain transformers
+
+    expected = alone_loss(model, input_ids, segments, documents.position_ids)
+    expected.backward()
+    if restart:  # each document alone starts at 0 (PoSE: at 0, then its skips)
+        starts = documents.position_ids[segments != torch.nn.functional.pad(segments, (1, 0), value=-1)[:, :-1]]
+        assert (starts == 0).all()
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+    for name, grad in gradients(model).items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_joined_packing_differs_from_documents_alone():
+    """The oracle can fail: today's joined packing (attention and positions across the joins) gives another loss."""
+    model = build_model(family_config("llama"))
+    model.config._attn_implementation = "sdpa"
+    data = packed()
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)
+    with torch.no_grad():
+        documents = document_batch(input_ids, segments)
+        alone = alone_loss(model, input_ids, segments, documents.position_ids)
+        assert abs(micro_batch_loss(model, input_ids) - alone) > 1e-3
+        assert torch.allclose(micro_batch_loss(model, input_ids, documents=documents), alone, atol=1e-6)
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(method="dynamic_ntk:factor=2"), "sequence's length"),
+    (dict(method="yarn:factor=2+rerope:window=16"), "attention layout"),
+    (dict(sequence_parallel=2), "Ulysses"),
+    (dict(pose_target_len=64, attn_implementation="flash_attention_2"), "4D document mask"),
+    (dict(packing="joined", document_positions="continue"), "only with --packing documents"),
+])
+def test_combinations_it_cannot_make_exact_are_refused_in_one_line(options, words):
+    with pytest.raises(ConfigError, match=words) as error:
+        FinetuneConfig.from_options(**{"method": "yarn:factor=2", "seq_len": 32, "packing": "documents"} | options)
+    assert "\n" not in str(error.value)
+
+
+def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
+    sliding = build_model(family_config("gemma2"))
+    sliding.config._attn_implementation = "sdpa"
+    check_document_packing(sliding, restart=True, pose=False)  # transformers' own packed path keeps the windows
+    with pytest.raises(ConfigError, match="sliding windows"):
+        check_document_packing(sliding, restart=False, pose=False)
+    flash = build_model(family_config("llama"))
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match="--attn-implementation sdpa"):
+        check_document_packing(flash, restart=True, pose=True)
+    check_document_packing(flash, restart=True, pose=False)  # varlen from the restarting ids, one sequence
+    with pytest.raises(ConfigError, match="--batch-size 1"):
+        check_document_packing(flash, restart=True, pose=False, batch_size=2)
+
+
+def test_finetune_trains_each_document_alone(tmp_path):
+    """The loop's wiring: with lr 1e-10 each step's logged loss is the starting model's loss on its documents alone
+    (transformers' own loss on each), and the checkpoint key names the packing."""
+    from transformers import AutoTokenizer
+
+    from rope_patch.jobs.finetune import finetune
+    from tiny_models import make_char_tokenizer, tiny_llama_config
+
+    build_model(tiny_llama_config(initializer_range=0.5)).save_pretrained(tmp_path / "tiny")
+    make_char_tokenizer().save_pretrained(tmp_path / "tiny")
+    (tmp_path / "corpus").mkdir()
+    for i in range(16):
+        (tmp_path / "corpus" / f"doc{i}.txt").write_text(f"the cat {i} sat. " * (1 + i % 4))  # 15 to 60 tokens
+    result = finetune(model=str(tmp_path / "tiny"), dataset=str(tmp_path / "corpus"), method="yarn:factor=2",
+                      seq_len=128, packing="documents", steps=2, lr=1e-10, warmup_steps=0, dtype="fp32",
+                      attn_implementation="sdpa", output=str(tmp_path / "run"), gradient_checkpointing=False)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    data = PackedSequences.from_source(str(tmp_path / "corpus"), tokenizer, seq_len=128, hold_out=True)
+    model = build_model(tiny_llama_config(initializer_range=0.5))
+    model.config._attn_implementation = "sdpa"
+    rope_patch.patch(model, "yarn", factor=2.0)
+    for step, trained in result.losses.items():
+        ids, segments = data.batch(step - 1, 0, 0, 1, 1, 1), data.segments(step - 1, 0, 0, 1, 1, 1)
+        assert segments.max() >= 1  # a boundary in each sequence
+        with torch.no_grad():
+            expected = alone_loss(model, ids, segments, document_batch(ids, segments).position_ids)
+        assert trained == pytest.approx(expected.item(), abs=1e-5), step
+    assert "packing" in (tmp_path / "run" / "finetune_config.yaml").read_text()
