@@ -1,5 +1,5 @@
 """The attention-level methods on every causal-LM type with RoPE in the installed transformers (``all_models``):
-Self-Extend, ReRoPE, leaky ReRoPE and Dual Chunk Attention are each exact against the oracle made of the family's own
+Self-Extend, ReRoPE, leaky ReRoPE, Dual Chunk Attention and STRING are each exact against the oracle made of the family's own
 rotation and the papers' formulas (``attention_oracle``), or refused by name in one line with the model unchanged.
 
 Each type's tiny model scores one 60-token sequence: past every method's window and over four DCA chunks. A refusal
@@ -31,6 +31,7 @@ METHODS = [
     ("rerope", {"window": 12}),
     ("leaky_rerope", {"window": 12, "factor": 4.0}),
     ("dca", {"chunk": 20, "local": 6}),
+    ("string", {"shift": 20, "window": 6}),
 ]
 LENGTH = 60
 TYPES = [t for t in rotary_model_types() if t not in UNBUILDABLE]
