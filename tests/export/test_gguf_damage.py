@@ -264,7 +264,7 @@ def test_the_fuzz_through_the_command_line(tmp_path, capsys, monkeypatch):
     """A few of the mutations through ``rope_patch.cli.main``: exit 0 with a whole output or exit 2 and one line.
     (The README's alternative command names the default model's folder, which would convert the embedded model for
     minutes on a cold cache: a placeholder stands in; it is not what this test checks.)"""
-    monkeypatch.setattr("rope_patch.jobs.export.model_path", lambda model: "MODEL")
+    monkeypatch.setattr("rope_patch.loading.model_path", lambda model: "MODEL")  # export imports it where used
     source = synthetic_gguf(tmp_path / "m.gguf")
     data = source.read_bytes()
     header_end = scan_gguf(source, "fuzz").data_start
