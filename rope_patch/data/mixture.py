@@ -203,15 +203,10 @@ class SourceMixture:
         parts = [f"{100 * share:.3g}% {source.describe()}" for share, source in zip(self.shares, self.sources)]
         return "mixture by token share: " + "; ".join(parts)
 
+    # the run's positions, one length per micro-step and the rows by self.sequence: PackedSequences' own
     positions = staticmethod(PackedSequences.positions)
-
-    def micro_len(self, step: int, micro: int, rank: int, ranks: int, grad_accum: int) -> int:
-        return self.seq_len
-
-    def batch(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
-        """The (batch_size, seq_len) int64 input ids that process ``rank`` trains on at this micro-step."""
-        rows = [self.sequence(p) for p in self.positions(step, micro, rank, ranks, batch_size, grad_accum)]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+    micro_len = PackedSequences.micro_len
+    batch = PackedSequences.batch
 
     def segments(self, step: int, micro: int, rank: int, ranks: int, batch_size: int, grad_accum: int) -> torch.Tensor:
         """(batch_size, seq_len) int64 document index of each token of ``batch``'s rows (``--packing documents``)."""
