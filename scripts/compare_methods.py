@@ -38,12 +38,18 @@ ROWS = [
     ("ReRoPE", "rerope:window=2048"),
     ("leaky ReRoPE", "leaky_rerope:window=2048,factor=16"),
     ("DCA", "dca:chunk=6144,local=512"),
+    # the 2025-26 methods: STRING with S = L - N + W, so that its context length N + S - W is the 2x target (the
+    # paper's S = N/3 is for use within the trained length: its own row), p-RoPE at the paper's p = 0.75
+    ("STRING (2x)", "string:shift=8320,window=128"),
+    ("STRING (paper's S = N/3)", "string"),
+    ("p-RoPE", "prope:keep=0.75"),
 ]
 # the order the run measures them in on a CPU that may not finish them all: the reference, the most used frequency
 # method, the attention-level methods, then the rest
 RUN_ORDER = ["none", "yarn:factor=2", "dca:chunk=6144,local=512", "self_extend:group=8,window=1024", "ntk:factor=2",
              "rerope:window=2048", "leaky_rerope:window=2048,factor=16", "llama3:factor=2",
-             "@configs/search/smollm2_16k_best.json", "dynamic_yarn", "dynamic_ntk:factor=2", "linear:factor=2"]
+             "@configs/search/smollm2_16k_best.json", "dynamic_yarn", "dynamic_ntk:factor=2", "linear:factor=2",
+             "string:shift=8320,window=128", "prope:keep=0.75", "string"]
 NATIVE = 8192
 PERPLEXITY_LENGTHS = [2048, NATIVE, 2 * NATIVE]
 PASSKEY_LENGTHS = [2 * NATIVE, NATIVE]  # the long one first: it is the one that tells methods apart
@@ -174,9 +180,14 @@ def main() -> int:
     parser.add_argument("--table-only", action="store_true", help="print and write the table from the stores, no run")
     parser.add_argument("--trials", type=int, default=1, help="passkey keys per length (depth 0.5)")
     parser.add_argument("--progress", action="store_true", help="progress bars")
+    parser.add_argument("--methods", nargs="+", metavar="SPEC", help="measure only these specs of the table (the "
+                        "reference none is always scored with them, for the cost)")
     args = parser.parse_args()
     assert sorted(RUN_ORDER) == sorted(spec for _, spec in ROWS)
-    specs = [spec for spec in RUN_ORDER if available(spec)]
+    specs = [spec for spec in RUN_ORDER if available(spec) and (not args.methods or spec in args.methods)]
+    unknown = sorted(set(args.methods or ()) - set(RUN_ORDER))
+    if unknown:
+        parser.error(f"--methods {' '.join(unknown)}: not a row of the table; rows: {' '.join(RUN_ORDER)}")
     if not args.table_only:
         print(f"compare_methods: measuring {len(specs)} of {len(ROWS)} methods; not in this tree: "
               f"{[spec for _, spec in ROWS if not available(spec)]}", file=sys.stderr, flush=True)
