@@ -42,10 +42,11 @@ $(STAMP): $(CORE)
 	touch $(STAMP)
 
 # The suite on every logical CPU (pytest-xdist), each test file on one worker (its module fixtures built once):
-# on a 2-core machine two workers; TEST_WORKERS=0 runs it in this process.
+# on a 2-core machine two workers; TEST_WORKERS=0 runs it in this process. The 40 slowest tests close the report,
+# the list to shorten when the suite grows.
 TEST_WORKERS ?= logical
 test: docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 # The documentation site (mkdocs.yml, pages under docs/, the API reference from the docstrings) into site/; --strict
 # fails on a broken link, anchor or reference, so `make test` keeps the docs from rotting. Offline, seconds.
