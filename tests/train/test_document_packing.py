@@ -6,9 +6,14 @@ documents and divided by their scored tokens: the packed step must give that los
 
 from __future__ import annotations
 
+import json
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from cpu_launch import accelerate_launch
 from tiny_models import build_model, family_config
 
 import rope_patch
@@ -129,7 +134,8 @@ def test_joined_packing_differs_from_documents_alone():
 @pytest.mark.parametrize("options, words", [
     (dict(method="dynamic_ntk:factor=2"), "sequence's length"),
     (dict(method="yarn:factor=2+rerope:window=16"), "attention layout"),
-    (dict(sequence_parallel=2), "Ulysses"),
+    (dict(sequence_parallel=2, document_positions="continue"), "Ulysses drops attention masks"),
+    (dict(sequence_parallel=2, pose_target_len=64), "reads the documents from restarting position ids"),
     (dict(pose_target_len=64, attn_implementation="flash_attention_2"), "4D document mask"),
     (dict(packing="joined", document_positions="continue"), "only with --packing documents"),
 ])
@@ -137,6 +143,11 @@ def test_combinations_it_cannot_make_exact_are_refused_in_one_line(options, word
     with pytest.raises(ConfigError, match=words) as error:
         FinetuneConfig.from_options(**{"method": "yarn:factor=2", "seq_len": 32, "packing": "documents"} | options)
     assert "\n" not in str(error.value)
+
+
+def test_sequence_parallelism_takes_restarting_documents():
+    config = FinetuneConfig.from_options(method="yarn:factor=2", seq_len=32, packing="documents", sequence_parallel=2)
+    assert config.packing == "documents" and config.sequence_parallel == 2
 
 
 def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
@@ -182,3 +193,97 @@ def test_finetune_trains_each_document_alone(tmp_path):
             expected = alone_loss(model, ids, segments, document_batch(ids, segments).position_ids)
         assert trained == pytest.approx(expected.item(), abs=1e-5), step
     assert "packing" in (tmp_path / "run" / "finetune_config.yaml").read_text()
+
+
+def test_ulysses_core_attention_runs_each_document_alone():
+    """Under sequence parallelism the core attention sees the whole sequence and Ulysses' gathered ids: run on each
+    document alone, it equals attention under the block-diagonal causal mask (torch's own SDPA, an explicit mask)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rope_patch.patching.ulysses import document_spans, documents_apart
+
+    data = packed()
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)  # (2, 48) each
+    positions = document_batch(input_ids, segments).position_ids  # (2, 48), restarting
+    for row, spans in zip(segments, document_spans(positions)):
+        assert [end - start for start, end in spans] == torch.unique_consecutive(row, return_counts=True)[1].tolist()
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, SEQ_LEN, 16, generator=generator)  # (B, H, L, D)
+    key, value = (torch.randn(2, 2, SEQ_LEN, 16, generator=generator) for _ in range(2))  # (B, K, L, D)
+    out, _ = documents_apart(sdpa_attention_forward)(module, query, key, value, None, position_ids=positions,
+                                                      dropout=0.0, scaling=0.25)  # (B, L, H, D)
+    causal = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
+    mask = (segments[:, None, :, None] == segments[:, None, None, :]) & causal  # (B, 1, L, L)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
+    whole = torch.arange(SEQ_LEN).expand(2, SEQ_LEN)  # one document per row: the plain causal attention
+    out, _ = documents_apart(sdpa_attention_forward)(module, query, key, value, None, position_ids=whole, scaling=0.25)
+    torch.testing.assert_close(out, sdpa_attention_forward(module, query, key, value, None, scaling=0.25)[0])
+
+
+SEQUENCE_PARALLEL_STEP = textwrap.dedent("""
+    import sys, types
+    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {here!r})
+    import torch
+    from accelerate import Accelerator
+    from pathlib import Path
+    from tiny_models import build_model, family_config
+    from test_document_packing import SEQ_LEN, packed
+    import rope_patch
+    from rope_patch.train.log import TrainingLog
+    from rope_patch.train.loop import TrainingProgress, enable_activation_checkpointing, train
+    from rope_patch.train.sequence_parallel import SequenceLayout, ulysses_attention
+
+    class Gradients(torch.optim.SGD):  # the step's gradients, after DDP's reduction, instead of a step
+        def step(self, closure=None):
+            self.seen = {{name: p.grad.clone() for name, p in named}}
+
+    accelerator = Accelerator(cpu=True)
+    model = build_model(family_config("llama"))
+    model.config._attn_implementation = "sdpa"
+    rope_patch.patch(model, "yarn", factor=2.0)
+    enable_activation_checkpointing(model)  # the backward pass runs the attention again
+    model.train()
+    named = list(model.named_parameters())
+    optimizer = Gradients(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    layout = SequenceLayout.of(2, accelerator.process_index, accelerator.num_processes)
+    config = types.SimpleNamespace(steps=1, grad_accum=1, batch_size=2, seq_len=SEQ_LEN, pose_target_len=None,
+                                   packing="documents", document_positions="restart", max_grad_norm=0.0, log_every=1,
+                                   save_every=0, keep_checkpoints=0, output=sys.argv[1], progress=False)
+    log = TrainingLog(Path(sys.argv[1]), accelerator)
+    with ulysses_attention(model, 2, batch_size=2, documents=True):
+        losses = train(config, accelerator, prepared, optimizer, scheduler, packed(), TrainingProgress(), log,
+                       layout=layout, patched=model)
+    if accelerator.is_main_process:
+        torch.save({{"loss": losses[1], "gradients": optimizer.optimizer.seen}}, Path(sys.argv[1]) / "step.pt")
+""")
+
+
+def test_a_sequence_parallel_packed_step_gives_each_document_alone(tmp_path):
+    """2 gloo processes, each half of every sequence (documents cut by the shard boundary): the loop's step, its
+    loss and every gradient (after DDP's mean), against each document run alone in this process by transformers."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra (pip install 'rope-patch[deepspeed]')")
+    script = tmp_path / "step.py"
+    script.write_text(SEQUENCE_PARALLEL_STEP.format(tests=str(Path(__file__).parents[1]),
+                                                    here=str(Path(__file__).parent)))
+    accelerate_launch([str(script), str(tmp_path / "run")], processes=2, timeout=600, cwd=tmp_path)
+    step = torch.load(tmp_path / "run" / "step.pt")
+
+    model = build_model(family_config("llama"))
+    model.config._attn_implementation = "sdpa"
+    rope_patch.patch(model, "yarn", factor=2.0)
+    data = packed()
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)  # (2, 48) each
+    assert (segments[:, SEQ_LEN // 2] == segments[:, SEQ_LEN // 2 - 1]).any()  # a document split over the shards
+    expected = alone_loss(model, input_ids, segments, document_batch(input_ids, segments).position_ids)
+    expected.backward()
+    assert step["loss"] == pytest.approx(expected.item(), abs=1e-6)
+    assert step["gradients"].keys() == gradients(model).keys()
+    for name, grad in gradients(model).items():
+        torch.testing.assert_close(step["gradients"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
