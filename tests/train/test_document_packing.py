@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cpu_launch import accelerate_launch
+from cpu_launch import LAUNCH_VARIANT, accelerate_launch, launch_job
 from tiny_models import build_model, family_config
 
 import rope_patch
@@ -165,35 +165,61 @@ def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
         check_document_packing(flash, restart=True, pose=False, batch_size=2)
 
 
-def test_finetune_trains_each_document_alone(tmp_path):
-    """The loop's wiring: with lr 1e-10 each step's logged loss is the starting model's loss on its documents alone
-    (transformers' own loss on each), and the checkpoint key names the packing."""
-    from transformers import AutoTokenizer
-
-    from rope_patch.jobs.finetune import finetune
+def document_workspace(folder):
+    """A tiny LLaMA (weights large enough to tell documents apart) with a character tokenizer, and 16 documents of
+    15 to 60 tokens: several in each 128-token sequence."""
     from tiny_models import make_char_tokenizer, tiny_llama_config
 
-    build_model(tiny_llama_config(initializer_range=0.5)).save_pretrained(tmp_path / "tiny")
-    make_char_tokenizer().save_pretrained(tmp_path / "tiny")
-    (tmp_path / "corpus").mkdir()
+    build_model(tiny_llama_config(initializer_range=0.5)).save_pretrained(folder / "tiny")
+    make_char_tokenizer().save_pretrained(folder / "tiny")
+    (folder / "corpus").mkdir()
     for i in range(16):
-        (tmp_path / "corpus" / f"doc{i}.txt").write_text(f"the cat {i} sat. " * (1 + i % 4))  # 15 to 60 tokens
-    result = finetune(model=str(tmp_path / "tiny"), dataset=str(tmp_path / "corpus"), method="yarn:factor=2",
-                      seq_len=128, packing="documents", steps=2, lr=1e-10, warmup_steps=0, dtype="fp32",
-                      attn_implementation="sdpa", output=str(tmp_path / "run"), gradient_checkpointing=False)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
-    data = PackedSequences.from_source(str(tmp_path / "corpus"), tokenizer, seq_len=128, hold_out=True)
+        (folder / "corpus" / f"doc{i}.txt").write_text(f"the cat {i} sat. " * (1 + i % 4))  # 15 to 60 tokens
+    return dict(model=str(folder / "tiny"), dataset=str(folder / "corpus"), method="yarn:factor=2", seq_len=128,
+                packing="documents", steps=2, lr=1e-10, warmup_steps=0, dtype="fp32", attn_implementation="sdpa",
+                gradient_checkpointing=False)
+
+
+def assert_each_step_is_its_documents_alone(folder, losses: dict[int, float], tolerance: float) -> None:
+    """With lr 1e-10 each step's loss is the starting model's loss on its documents alone (transformers' own)."""
+    from transformers import AutoTokenizer
+
+    from tiny_models import tiny_llama_config
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tiny")
+    data = PackedSequences.from_source(str(folder / "corpus"), tokenizer, seq_len=128, hold_out=True)
     model = build_model(tiny_llama_config(initializer_range=0.5))
     model.config._attn_implementation = "sdpa"
     rope_patch.patch(model, "yarn", factor=2.0)
-    for step, trained in result.losses.items():
+    assert sorted(losses) == [1, 2]
+    for step, trained in losses.items():
         ids, segments = data.batch(step - 1, 0, 0, 1, 1, 1), data.segments(step - 1, 0, 0, 1, 1, 1)
         assert segments.max() >= 1  # a boundary in each sequence
         with torch.no_grad():
             expected = alone_loss(model, ids, segments, document_batch(ids, segments).position_ids)
-        assert trained == pytest.approx(expected.item(), abs=1e-5), step
+        assert trained == pytest.approx(expected.item(), abs=tolerance), step
+
+
+def test_finetune_trains_each_document_alone(tmp_path):
+    """The loop's wiring: each step's logged loss is that of its documents alone, and the checkpoint key names the
+    packing."""
+    from rope_patch.jobs.finetune import finetune
+
+    result = finetune(**document_workspace(tmp_path), output=str(tmp_path / "run"))
+    assert_each_step_is_its_documents_alone(tmp_path, result.losses, 1e-5)
     assert "packing" in (tmp_path / "run" / "finetune_config.yaml").read_text()
 
+
+@LAUNCH_VARIANT
+def test_finetune_under_sequence_parallelism_trains_each_document_alone(tmp_path):
+    """The command's wiring under ``--sequence-parallel 2`` (2 gloo processes): train_log.csv's losses (6 decimals)
+    are those of each step's documents alone (fp32 sums over two shards: within 1e-5 of 11)."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra (pip install 'rope-patch[deepspeed]')")
+    launch_job("finetune", document_workspace(tmp_path) | dict(output=str(tmp_path / "run"), sequence_parallel=2),
+               processes=2, timeout=600)
+    rows = (tmp_path / "run" / "train_log.csv").read_text().splitlines()[1:]
+    losses = {int(row.split(",")[0]): float(row.split(",")[1]) for row in rows}
+    assert_each_step_is_its_documents_alone(tmp_path, losses, 1e-5)
 
 def test_ulysses_core_attention_runs_each_document_alone():
     """Under sequence parallelism the core attention sees the whole sequence and Ulysses' gathered ids: run on each
