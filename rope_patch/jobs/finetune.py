@@ -245,8 +245,8 @@ def _finetune(config: FinetuneConfig, accelerator: Accelerator, stop: StopReques
         config.to_yaml(output / "finetune_config.yaml", leave_out=("resume",))
         write_training_manifest(output, trained.sources, base=config.model)  # what an eval of this folder leaves out
 
-    sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size) if layout.size > 1 \
-        else nullcontext()
+    sequence_parallel = ulysses_attention(patched, layout.size, batch_size=config.batch_size,
+                                          documents=config.packing == "documents") if layout.size > 1 else nullcontext()
     if accelerator.is_main_process:
         sequences = config.batch_size * config.grad_accum * layout.replicas
         alone = accelerator.num_processes == 1 and accelerator.distributed_type == DistributedType.NO

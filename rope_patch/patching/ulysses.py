@@ -5,11 +5,17 @@ Shared by training (``rope_patch.train.sequence_parallel``) and evaluation
 ``UlyssesSPAttentionHF`` swaps, around the core attention function, the shards' heads for whole-sequence heads (one
 all-to-all in, one out), so each process attends over all L tokens for H / N heads. It replaces transformers' process-wide ``ALL_ATTENTION_FUNCTIONS[impl]``: surgery, hence
 here. deepspeed is an optional extra, imported where used.
+
+Packed documents (``finetune --packing documents``): Ulysses drops every attention mask (a shard's mask is wrong once
+the sequence is gathered), so the core attention would see one causal sequence. With ``documents``, the core attention
+Ulysses wraps runs once per document instead: after the all-to-all each process holds the whole sequence for its
+heads, and the gathered position ids restart at 0 at each document (``train.documents``, restart without PoSE), the
+same reading as transformers' packed-sequence path (``masking_utils.find_packed_sequence_indices``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -57,6 +63,42 @@ def check_ulysses_model(model: nn.Module, size: int) -> None:
                           f"{kv_heads} key/value heads must divide or be divisible by it; choose another size")
 
 
+def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Each row's documents as ``(start, end)`` token spans, read from its position ids (B, L) as transformers'
+    packed-sequence path reads them: a new document wherever an id is not its predecessor's plus one."""
+    begins = torch.ones_like(position_ids, dtype=torch.bool)  # (B, L)
+    begins[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    length = position_ids.shape[1]
+    spans = []
+    for row in begins.cpu():
+        starts = row.nonzero().squeeze(1).tolist() + [length]
+        spans.append(list(zip(starts[:-1], starts[1:])))
+    return spans
+
+
+def documents_apart(core: Callable) -> Callable:
+    """``core`` (a transformers attention function) run on each document of the whole sequence alone, so that no
+    token attends across a document boundary; the documents come from the gathered ``position_ids``."""
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, *args, **kwargs):
+        # query (B, H, L, D), key and value (B, K, L, D): the whole sequence, this process's heads
+        position_ids = kwargs.pop("position_ids")  # (B, L), gathered by Ulysses
+        spans = document_spans(position_ids)
+        if all(len(row) == 1 for row in spans):
+            return core(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kwargs)
+        rows = []
+        for b, row in enumerate(spans):
+            pieces = [core(module, query[b:b + 1, :, start:end], key[b:b + 1, :, start:end],
+                           value[b:b + 1, :, start:end], None, *args,
+                           position_ids=position_ids[b:b + 1, start:end], **kwargs)[0]  # (1, end − start, H, D)
+                      for start, end in row]
+            rows.append(torch.cat(pieces, dim=1))  # (1, L, H, D)
+        return torch.cat(rows, dim=0), None  # (B, L, H, D), no attention weights
+
+    return attention
+
+
 def require_ulysses():
     """DeepSpeed's ``UlyssesSPAttentionHF``, or one line naming the extra that installs it."""
     try:
@@ -72,8 +114,11 @@ def require_ulysses():
 
 
 @contextmanager
-def ulysses_attention(model: nn.Module, size: int, *, batch_size: int) -> Iterator[None]:
+def ulysses_attention(model: nn.Module, size: int, *, batch_size: int, documents: bool = False) -> Iterator[None]:
     """Inside the block, ``model``'s core attention runs through Ulysses over groups of ``size`` consecutive ranks.
+
+    ``documents``: the sequences are packed documents whose position ids restart at each one; the core attention runs
+    on each document alone (``documents_apart``).
 
     DeepSpeed replaces transformers' process-wide ``ALL_ATTENTION_FUNCTIONS[impl]`` and keeps its groups in module
     globals; both are put back on the way out, so a later job in the process (or another model) is untouched.
@@ -86,6 +131,8 @@ def ulysses_attention(model: nn.Module, size: int, *, batch_size: int) -> Iterat
     original = ALL_ATTENTION_FUNCTIONS[implementation]
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # wraps the launcher's process group
     try:
+        if documents:  # what Ulysses wraps is whatever the registry holds when it registers
+            ALL_ATTENTION_FUNCTIONS[implementation] = documents_apart(original)
         ulysses.register_with_transformers(model_name_or_path=model, core_attn_implementation=implementation,
                                            sequence_parallel_size=size, micro_batch_size=batch_size,
                                            seq_length_is_variable=True)

@@ -137,7 +137,7 @@ def train(config: Any, accelerator, model, optimizer, scheduler, data: PackedSeq
             with accelerator.accumulate(model):
                 if layout.size > 1:
                     loss = shard_loss(model, patched, input_ids, layout, position_ids=position_ids, head_loss=head_loss,
-                                      plain=plain_loss)
+                                      plain=plain_loss, documents=documents)
                 else:
                     loss = micro_batch_loss(model, input_ids, position_ids=position_ids, plain=plain_loss,
                                             head_loss=head_loss, documents=documents)

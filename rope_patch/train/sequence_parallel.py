@@ -27,10 +27,15 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..loss import HeadLoss, causal_lm_loss, shift_targets
+from ..loss import IGNORE_INDEX, HeadLoss, causal_lm_loss, shift_targets
 from ..patching import fixed_length
 from ..patching.ulysses import (CORE_ATTENTION, SequenceLayout, check_ulysses_model, require_ulysses,
                                 ulysses_attention)
+from .documents import DocumentBatch
+
+SEQUENCE_PARALLEL_DOCUMENTS = ("--packing documents with --sequence-parallel: Ulysses drops attention masks and reads "
+                               "the documents from restarting position ids, which PoSE and --document-positions "
+                               "continue do not give; use --document-positions restart without --pose-target-len")
 
 __all__ = ["CORE_ATTENTION", "SequenceLayout", "check_sequence_parallel", "require_ulysses", "shard_loss",
            "ulysses_attention"]
@@ -59,7 +64,7 @@ def check_sequence_parallel(size: int, *, processes: int, seq_len: int, model: n
 
 def shard_loss(model: nn.Module, patched: nn.Module, input_ids: torch.Tensor, layout: SequenceLayout, *,
                position_ids: torch.Tensor | None = None, head_loss: HeadLoss | None = None,
-               plain: bool = False) -> torch.Tensor:
+               plain: bool = False, documents: DocumentBatch | None = None) -> torch.Tensor:
     """This process's share of the micro-batch loss of the whole sequences ``input_ids`` (B, L), for DDP's mean.
 
     The shard (B, L / N) keeps its global position ids, and its targets are cut from the whole sequence's shifted
@@ -70,13 +75,23 @@ def shard_loss(model: nn.Module, patched: nn.Module, input_ids: torch.Tensor, la
     ``plain``: the model's own loss on the shard's targets (``shift_labels``, summed over ``num_items_in_batch``),
     for FSDP and ZeRO-3, whose output head is whole only inside the forward pass. Their gradient reduction is DDP's
     mean over all P processes, so the same scaling holds.
+
+    ``documents``: ``--packing documents``' whole-sequence ids and targets (``position_ids`` then unused), split like
+    the tokens; the divisor is the micro-batch's scored tokens (B × (L − 1) less one per document boundary), as in
+    ``micro_batch_loss``. The attention reads the documents from the gathered ids (``ulysses_attention(documents=
+    True)``), so the ids must restart at each document and nowhere else: no 4D mask.
     """
     batch, length = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)  # (B, L)
     targets = shift_targets(input_ids)  # (B, L)
-    ids, positions, targets = (layout.split(t) for t in (input_ids, position_ids, targets))  # (B, L / N) each
     scored = batch * (length - 1) / layout.size  # the divisor that makes the shard's sum N · Σ / (B × (L − 1))
+    if documents is not None:
+        if documents.attention_mask is not None:
+            raise ConfigError(SEQUENCE_PARALLEL_DOCUMENTS)  # FinetuneConfig.check_packing refuses it first
+        position_ids, targets = documents.position_ids, documents.targets
+        scored = int((targets != IGNORE_INDEX).sum()) / layout.size
+    ids, positions, targets = (layout.split(t) for t in (input_ids, position_ids, targets))  # (B, L / N) each
     with fixed_length(patched, int(position_ids.max()) + 1):
         # an all-ones mask: no padding, and no packed-sequence guess from PoSE's skips (Ulysses drops 4D masks)
         if plain:

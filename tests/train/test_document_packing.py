@@ -6,9 +6,14 @@ documents and divided by their scored tokens: the packed step must give that los
 
 from __future__ import annotations
 
+import json
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from cpu_launch import LAUNCH_VARIANT, accelerate_launch, launch_job
 from tiny_models import build_model, family_config
 
 import rope_patch
@@ -129,7 +134,8 @@ def test_joined_packing_differs_from_documents_alone():
 @pytest.mark.parametrize("options, words", [
     (dict(method="dynamic_ntk:factor=2"), "sequence's length"),
     (dict(method="yarn:factor=2+rerope:window=16"), "attention layout"),
-    (dict(sequence_parallel=2), "Ulysses"),
+    (dict(sequence_parallel=2, document_positions="continue"), "Ulysses drops attention masks"),
+    (dict(sequence_parallel=2, pose_target_len=64), "reads the documents from restarting position ids"),
     (dict(pose_target_len=64, attn_implementation="flash_attention_2"), "4D document mask"),
     (dict(packing="joined", document_positions="continue"), "only with --packing documents"),
 ])
@@ -137,6 +143,11 @@ def test_combinations_it_cannot_make_exact_are_refused_in_one_line(options, word
     with pytest.raises(ConfigError, match=words) as error:
         FinetuneConfig.from_options(**{"method": "yarn:factor=2", "seq_len": 32, "packing": "documents"} | options)
     assert "\n" not in str(error.value)
+
+
+def test_sequence_parallelism_takes_restarting_documents():
+    config = FinetuneConfig.from_options(method="yarn:factor=2", seq_len=32, packing="documents", sequence_parallel=2)
+    assert config.packing == "documents" and config.sequence_parallel == 2
 
 
 def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
@@ -154,31 +165,151 @@ def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
         check_document_packing(flash, restart=True, pose=False, batch_size=2)
 
 
-def test_finetune_trains_each_document_alone(tmp_path):
-    """The loop's wiring: with lr 1e-10 each step's logged loss is the starting model's loss on its documents alone
-    (transformers' own loss on each), and the checkpoint key names the packing."""
-    from transformers import AutoTokenizer
-
-    from rope_patch.jobs.finetune import finetune
+def document_workspace(folder):
+    """A tiny LLaMA (weights large enough to tell documents apart) with a character tokenizer, and 16 documents of
+    15 to 60 tokens: several in each 128-token sequence."""
     from tiny_models import make_char_tokenizer, tiny_llama_config
 
-    build_model(tiny_llama_config(initializer_range=0.5)).save_pretrained(tmp_path / "tiny")
-    make_char_tokenizer().save_pretrained(tmp_path / "tiny")
-    (tmp_path / "corpus").mkdir()
+    build_model(tiny_llama_config(initializer_range=0.5)).save_pretrained(folder / "tiny")
+    make_char_tokenizer().save_pretrained(folder / "tiny")
+    (folder / "corpus").mkdir()
     for i in range(16):
-        (tmp_path / "corpus" / f"doc{i}.txt").write_text(f"the cat {i} sat. " * (1 + i % 4))  # 15 to 60 tokens
-    result = finetune(model=str(tmp_path / "tiny"), dataset=str(tmp_path / "corpus"), method="yarn:factor=2",
-                      seq_len=128, packing="documents", steps=2, lr=1e-10, warmup_steps=0, dtype="fp32",
-                      attn_implementation="sdpa", output=str(tmp_path / "run"), gradient_checkpointing=False)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
-    data = PackedSequences.from_source(str(tmp_path / "corpus"), tokenizer, seq_len=128, hold_out=True)
+        (folder / "corpus" / f"doc{i}.txt").write_text(f"the cat {i} sat. " * (1 + i % 4))  # 15 to 60 tokens
+    return dict(model=str(folder / "tiny"), dataset=str(folder / "corpus"), method="yarn:factor=2", seq_len=128,
+                packing="documents", steps=2, lr=1e-10, warmup_steps=0, dtype="fp32", attn_implementation="sdpa",
+                gradient_checkpointing=False)
+
+
+def assert_each_step_is_its_documents_alone(folder, losses: dict[int, float], tolerance: float) -> None:
+    """With lr 1e-10 each step's loss is the starting model's loss on its documents alone (transformers' own)."""
+    from transformers import AutoTokenizer
+
+    from tiny_models import tiny_llama_config
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tiny")
+    data = PackedSequences.from_source(str(folder / "corpus"), tokenizer, seq_len=128, hold_out=True)
     model = build_model(tiny_llama_config(initializer_range=0.5))
     model.config._attn_implementation = "sdpa"
     rope_patch.patch(model, "yarn", factor=2.0)
-    for step, trained in result.losses.items():
+    assert sorted(losses) == [1, 2]
+    for step, trained in losses.items():
         ids, segments = data.batch(step - 1, 0, 0, 1, 1, 1), data.segments(step - 1, 0, 0, 1, 1, 1)
         assert segments.max() >= 1  # a boundary in each sequence
         with torch.no_grad():
             expected = alone_loss(model, ids, segments, document_batch(ids, segments).position_ids)
-        assert trained == pytest.approx(expected.item(), abs=1e-5), step
+        assert trained == pytest.approx(expected.item(), abs=tolerance), step
+
+
+def test_finetune_trains_each_document_alone(tmp_path):
+    """The loop's wiring: each step's logged loss is that of its documents alone, and the checkpoint key names the
+    packing."""
+    from rope_patch.jobs.finetune import finetune
+
+    result = finetune(**document_workspace(tmp_path), output=str(tmp_path / "run"))
+    assert_each_step_is_its_documents_alone(tmp_path, result.losses, 1e-5)
     assert "packing" in (tmp_path / "run" / "finetune_config.yaml").read_text()
+
+
+@LAUNCH_VARIANT
+def test_finetune_under_sequence_parallelism_trains_each_document_alone(tmp_path):
+    """The command's wiring under ``--sequence-parallel 2`` (2 gloo processes): train_log.csv's losses (6 decimals)
+    are those of each step's documents alone (fp32 sums over two shards: within 1e-5 of 11)."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra (pip install 'rope-patch[deepspeed]')")
+    launch_job("finetune", document_workspace(tmp_path) | dict(output=str(tmp_path / "run"), sequence_parallel=2),
+               processes=2, timeout=600)
+    rows = (tmp_path / "run" / "train_log.csv").read_text().splitlines()[1:]
+    losses = {int(row.split(",")[0]): float(row.split(",")[1]) for row in rows}
+    assert_each_step_is_its_documents_alone(tmp_path, losses, 1e-5)
+
+def test_ulysses_core_attention_runs_each_document_alone():
+    """Under sequence parallelism the core attention sees the whole sequence and Ulysses' gathered ids: run on each
+    document alone, it equals attention under the block-diagonal causal mask (torch's own SDPA, an explicit mask)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rope_patch.patching.ulysses import document_spans, documents_apart
+
+    data = packed()
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)  # (2, 48) each
+    positions = document_batch(input_ids, segments).position_ids  # (2, 48), restarting
+    for row, spans in zip(segments, document_spans(positions)):
+        assert [end - start for start, end in spans] == torch.unique_consecutive(row, return_counts=True)[1].tolist()
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, SEQ_LEN, 16, generator=generator)  # (B, H, L, D)
+    key, value = (torch.randn(2, 2, SEQ_LEN, 16, generator=generator) for _ in range(2))  # (B, K, L, D)
+    out, _ = documents_apart(sdpa_attention_forward)(module, query, key, value, None, position_ids=positions,
+                                                      dropout=0.0, scaling=0.25)  # (B, L, H, D)
+    causal = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
+    mask = (segments[:, None, :, None] == segments[:, None, None, :]) & causal  # (B, 1, L, L)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
+    whole = torch.arange(SEQ_LEN).expand(2, SEQ_LEN)  # one document per row: the plain causal attention
+    out, _ = documents_apart(sdpa_attention_forward)(module, query, key, value, None, position_ids=whole, scaling=0.25)
+    torch.testing.assert_close(out, sdpa_attention_forward(module, query, key, value, None, scaling=0.25)[0])
+
+
+SEQUENCE_PARALLEL_STEP = textwrap.dedent("""
+    import sys, types
+    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {here!r})
+    import torch
+    from accelerate import Accelerator
+    from pathlib import Path
+    from tiny_models import build_model, family_config
+    from test_document_packing import SEQ_LEN, packed
+    import rope_patch
+    from rope_patch.train.log import TrainingLog
+    from rope_patch.train.loop import TrainingProgress, enable_activation_checkpointing, train
+    from rope_patch.train.sequence_parallel import SequenceLayout, ulysses_attention
+
+    class Gradients(torch.optim.SGD):  # the step's gradients, after DDP's reduction, instead of a step
+        def step(self, closure=None):
+            self.seen = {{name: p.grad.clone() for name, p in named}}
+
+    accelerator = Accelerator(cpu=True)
+    model = build_model(family_config("llama"))
+    model.config._attn_implementation = "sdpa"
+    rope_patch.patch(model, "yarn", factor=2.0)
+    enable_activation_checkpointing(model)  # the backward pass runs the attention again
+    model.train()
+    named = list(model.named_parameters())
+    optimizer = Gradients(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    layout = SequenceLayout.of(2, accelerator.process_index, accelerator.num_processes)
+    config = types.SimpleNamespace(steps=1, grad_accum=1, batch_size=2, seq_len=SEQ_LEN, pose_target_len=None,
+                                   packing="documents", document_positions="restart", max_grad_norm=0.0, log_every=1,
+                                   save_every=0, keep_checkpoints=0, output=sys.argv[1], progress=False)
+    log = TrainingLog(Path(sys.argv[1]), accelerator)
+    with ulysses_attention(model, 2, batch_size=2, documents=True):
+        losses = train(config, accelerator, prepared, optimizer, scheduler, packed(), TrainingProgress(), log,
+                       layout=layout, patched=model)
+    if accelerator.is_main_process:
+        torch.save({{"loss": losses[1], "gradients": optimizer.optimizer.seen}}, Path(sys.argv[1]) / "step.pt")
+""")
+
+
+def test_a_sequence_parallel_packed_step_gives_each_document_alone(tmp_path):
+    """2 gloo processes, each half of every sequence (documents cut by the shard boundary): the loop's step, its
+    loss and every gradient (after DDP's mean), against each document run alone in this process by transformers."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra (pip install 'rope-patch[deepspeed]')")
+    script = tmp_path / "step.py"
+    script.write_text(SEQUENCE_PARALLEL_STEP.format(tests=str(Path(__file__).parents[1]),
+                                                    here=str(Path(__file__).parent)))
+    accelerate_launch([str(script), str(tmp_path / "run")], processes=2, timeout=600, cwd=tmp_path)
+    step = torch.load(tmp_path / "run" / "step.pt")
+
+    model = build_model(family_config("llama"))
+    model.config._attn_implementation = "sdpa"
+    rope_patch.patch(model, "yarn", factor=2.0)
+    data = packed()
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)  # (2, 48) each
+    assert (segments[:, SEQ_LEN // 2] == segments[:, SEQ_LEN // 2 - 1]).any()  # a document split over the shards
+    expected = alone_loss(model, input_ids, segments, document_batch(input_ids, segments).position_ids)
+    expected.backward()
+    assert step["loss"] == pytest.approx(expected.item(), abs=1e-6)
+    assert step["gradients"].keys() == gradients(model).keys()
+    for name, grad in gradients(model).items():
+        torch.testing.assert_close(step["gradients"][name], grad, atol=1e-6, rtol=1e-5, msg=name)

@@ -169,9 +169,10 @@ class FinetuneConfig(JobConfig):
         if self.mixed_window:
             raise ConfigError("--packing documents with --mixed-window: longrope switches factors by the longest "
                               "position of the micro-batch, not of each document; drop one of them")
-        if self.sequence_parallel > 1:
-            raise ConfigError("--packing documents with --sequence-parallel: Ulysses' attention takes no document "
-                              "mask; drop one of them")
+        if self.sequence_parallel > 1 and (self.pose_target_len is not None or self.document_positions == "continue"):
+            raise ConfigError("--packing documents with --sequence-parallel: Ulysses drops attention masks and reads "
+                              "the documents from restarting position ids, which PoSE and --document-positions "
+                              "continue do not give; use --document-positions restart without --pose-target-len")
         if self.attn_implementation not in (None, "sdpa", "eager") and (
                 self.pose_target_len is not None or self.document_positions == "continue"):
             raise ConfigError("--packing documents with PoSE or --document-positions continue needs a 4D document "
