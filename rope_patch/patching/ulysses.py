@@ -57,6 +57,18 @@ def check_ulysses_model(model: nn.Module, size: int) -> None:
         raise ConfigError(f"--sequence-parallel needs attention Ulysses can wrap ({', '.join(CORE_ATTENTION)}), not "
                           f"{implementation!r}, which builds a whole-sequence 4D mask; use --attn-implementation sdpa")
     text = model.config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ())
+    recurrent = sorted(k for k in kinds if not k.endswith("attention") or k == "linear_attention")
+    if recurrent:
+        raise ConfigError(f"--sequence-parallel cannot split this model: its {', '.join(recurrent)} layers would each "
+                          "see only their process's slice of the sequence (Ulysses splits attention only); run "
+                          "without --sequence-parallel")
+    windowed = any(k in ("sliding_attention", "chunked_attention") for k in kinds) or (
+        not kinds and getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+    if windowed and implementation == "sdpa":  # the window lives in the mask, which Ulysses does not pass on
+        raise ConfigError("--sequence-parallel with sdpa attention would drop this model's sliding windows (Ulysses "
+                          "passes no mask to the attention); use --attn-implementation flash_attention_2, or run "
+                          "without --sequence-parallel")
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     if heads % size or (kv_heads % size and size % kv_heads):
         raise ConfigError(f"--sequence-parallel {size} must divide the model's {heads} attention heads, and its "

@@ -20,7 +20,7 @@ from rope_patch.errors import ConfigError, MissingExtraError
 from rope_patch.jobs.finetune import FinetuneConfig, finetune
 from rope_patch.train.sequence_parallel import SequenceLayout, check_sequence_parallel, require_ulysses
 from cpu_launch import LAUNCH_VARIANT, launch_job
-from tiny_models import build_model, tiny_llama_config, write_training_workspace
+from tiny_models import build_model, family_config, tiny_llama_config, write_training_workspace
 
 SEQ_LEN = 256  # four times the tiny model's native 64
 pytest.importorskip("deepspeed", reason="the deepspeed extra (pip install 'rope-patch[deepspeed]')")
@@ -110,6 +110,21 @@ def test_heads_the_size_does_not_divide_are_refused():
     with pytest.raises(ConfigError, match="must divide the model's 4 attention heads"):
         check_sequence_parallel(3, processes=3, seq_len=SEQ_LEN - 1, model=model)
     check_sequence_parallel(4, processes=4, seq_len=SEQ_LEN, model=model)  # 2 key/value heads divide 4: allowed
+
+
+def test_layers_a_split_sequence_would_change_are_refused():
+    """Ulysses splits attention only and passes it no mask: sdpa sliding windows and recurrent layers would see a
+    sequence other than the whole one, so such a model is refused before any step."""
+    from all_models import build as build_any, tiny_config
+
+    sliding = build_model(family_config("gemma2"))  # sliding_window 32 on every other layer
+    sliding.config._attn_implementation = "sdpa"
+    with pytest.raises(ConfigError, match="would drop this model's sliding windows.*flash_attention_2"):
+        check_sequence_parallel(2, processes=2, seq_len=SEQ_LEN, model=sliding)
+    hybrid = build_any(tiny_config("qwen3_next"))  # linear-attention (gated delta net) layers
+    hybrid.config._attn_implementation = "sdpa"
+    with pytest.raises(ConfigError, match="its linear_attention layers would each see only"):
+        check_sequence_parallel(2, processes=2, seq_len=SEQ_LEN, model=hybrid)
 
 
 @pytest.mark.parametrize("spec", ["yarn:factor=2+self_extend:group=4,window=16", "dca:chunk=40,local=8",
