@@ -515,7 +515,8 @@ def load_tokenizer(path: str | os.PathLike, *, progress: bool = True) -> Any:
     """The model's tokenizer, or one line naming the fix for missing or broken tokenizer files."""
     try:
         with quiet_hub_requests(), progress_bars(progress):
-            return AutoTokenizer.from_pretrained(path)
+            config = _config_without_refusal(path, {})  # it may read the config: not the plain-transformers refusal
+            return AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {}))
     except RopePatchError:
         raise
     except Exception as error:  # noqa: BLE001  transformers and tokenizers raise ValueError, OSError, Exception, ...
