@@ -473,12 +473,14 @@ def write_record(config, record: dict[str, Any], portable: bool, refuse_plain: l
         if _refused_on_reload(config, {**reference, CONFIG_KEY: record}, refuse_plain):
             return "plain transformers (5 and 4.x) refuses to load it: its rope_type names rope_patch.load_model"
         _put_back(config, before)
+    unrefused = ("NOT refused by plain transformers 5, which would load it as the base RoPE: load it with "
+                 "rope_patch.load_model; ") if refuse_plain else ""
     for candidate in _legacy_candidates(config, portable, record["label"]):
         before = {k: config.__dict__.get(k, MISSING) for k in candidate}
         config.__dict__.update(copy.deepcopy(candidate))
         expected = {**reference, **{k: v for k, v in candidate.items() if k not in LEGACY_FIELDS}}
         if _reloads_identically(config, expected):
-            return "transformers 4.x reads it too" if "rope_scaling" in candidate else \
-                "transformers 4.x refuses to load it (its rope_theta names rope_patch)"
+            return unrefused + ("transformers 4.x reads it too" if "rope_scaling" in candidate else
+                                "transformers 4.x refuses to load it (its rope_theta names rope_patch)")
         _put_back(config, before)
-    return "transformers 4.x would load plain RoPE: no legacy key this config class reads back unchanged"
+    return unrefused + "transformers 4.x would load plain RoPE: no legacy key this config class reads back unchanged"
