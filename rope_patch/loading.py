@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from accelerate import init_empty_weights
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from .errors import ConfigError, ModelNotFoundError, RopePatchError, UnsupportedModelError
 from .hub import (DEFAULT_MODEL_NAME, cache_dir, check_hub_reachable, check_model_name, progress_bars,
                   quiet_hub_requests)
 from .files import FolderLock, read_small_text, sync_files, sync_folder, write_problem
 from .gguf_file import scan_gguf
-from .patching import restore_saved_patch, set_native_length
+from .patching import restore_saved_patch, set_native_length, without_plain_refusal
 from .values import JSONReadError, parse_json, read_regular_file, shown
 
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded default)"
@@ -350,7 +350,7 @@ def _check_config_fits_weights(folder: Path) -> None:
         return  # no safetensors weights: transformers' own message (missing, or another format) follows
     try:
         with quiet_hub_requests(), contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
-            config = AutoConfig.from_pretrained(folder)
+            config = load_config(folder)
             if getattr(config, "quantization_config", None):
                 return  # quantized weights are stored packed, in shapes of their own
             with init_empty_weights(include_buffers=False):
@@ -385,6 +385,11 @@ def model_label(name_or_path: str | os.PathLike | None) -> str:
 # Loading.
 
 
+# from_pretrained's keywords that say where and how its config is fetched (read with the config beforehand)
+HUB_KWARGS = ("revision", "token", "cache_dir", "trust_remote_code", "local_files_only", "subfolder",
+              "force_download", "proxies", "code_revision", "gguf_file")
+
+
 def from_pretrained(name_or_path: str | os.PathLike, *, native_length: int | None = None,
                     **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` that also re-applies a scaling saved by rope_patch.
@@ -402,11 +407,35 @@ def from_pretrained(name_or_path: str | os.PathLike, *, native_length: int | Non
                               "which a device map's offloaded layers do not allow; save the merged model first "
                               "(rope-patch finetune --no-save-adapter) and load that with --device-map")
         return load_adapter_checkpoint(name_or_path, native_length=native_length, **kwargs)
+    if kwargs.get("config") is None:
+        config = _config_without_refusal(name_or_path, {k: v for k, v in kwargs.items() if k in HUB_KWARGS})
+        if config is not None:
+            kwargs["config"] = config
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     set_native_length(model, native_length)
     with contextlib.suppress(UnsupportedModelError):
         restore_saved_patch(model)
     return model
+
+
+def _config_without_refusal(name_or_path: str | os.PathLike, hub: dict[str, Any]):
+    """The config of a checkpoint saved to refuse plain transformers (a p-RoPE / DroPE patch its config cannot
+    spell), read as saved without the refusal (``without_plain_refusal``); None for any other checkpoint, or a
+    config that cannot be read here (transformers' own load then says why)."""
+    try:
+        body, _ = PretrainedConfig.get_config_dict(str(name_or_path), **hub)
+    except Exception:  # noqa: BLE001  transformers' own load reports it, as it always has
+        return None
+    cleaned = without_plain_refusal(body)
+    if cleaned is None or cleaned.get("model_type") not in CONFIG_MAPPING:
+        return None
+    return CONFIG_MAPPING[cleaned["model_type"]].from_dict(cleaned)
+
+
+def load_config(name_or_path: str | os.PathLike, **hub: Any):
+    """``AutoConfig.from_pretrained``, which also reads a checkpoint saved to refuse plain transformers: its config
+    as saved, without the refusal (``restore_saved_patch`` then re-applies the recorded patch)."""
+    return _config_without_refusal(name_or_path, hub) or AutoConfig.from_pretrained(name_or_path, **hub)
 
 
 def load_adapter_checkpoint(path: str | os.PathLike, *, merge: bool = True, **kwargs: Any) -> torch.nn.Module:
@@ -416,7 +445,7 @@ def load_adapter_checkpoint(path: str | os.PathLike, *, merge: bool = True, **kw
     from peft import PeftConfig, PeftModel  # peft is needed only for adapter folders
 
     base = PeftConfig.from_pretrained(str(path)).base_model_name_or_path
-    model = from_pretrained(base, config=AutoConfig.from_pretrained(str(path)), **kwargs)
+    model = from_pretrained(base, config=load_config(str(path)), **kwargs)
     model = PeftModel.from_pretrained(model, str(path))
     return model.merge_and_unload() if merge else model
 
@@ -486,7 +515,8 @@ def load_tokenizer(path: str | os.PathLike, *, progress: bool = True) -> Any:
     """The model's tokenizer, or one line naming the fix for missing or broken tokenizer files."""
     try:
         with quiet_hub_requests(), progress_bars(progress):
-            return AutoTokenizer.from_pretrained(path)
+            config = _config_without_refusal(path, {})  # it may read the config: not the plain-transformers refusal
+            return AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {}))
     except RopePatchError:
         raise
     except Exception as error:  # noqa: BLE001  transformers and tokenizers raise ValueError, OSError, Exception, ...
@@ -538,7 +568,7 @@ def load_structure(name_or_path: str | os.PathLike | None = None, *,
         check_rope_parameters(Path(path) / "config.json")
     try:
         with quiet_hub_requests():
-            config = AutoConfig.from_pretrained(path)
+            config = load_config(path)
     except (OSError, ValueError) as error:
         raise ModelNotFoundError(
             f"cannot load model config {str(path)!r}: {str(error).splitlines()[0]} "

@@ -279,6 +279,8 @@ def _refusal(engine: str, rope: ServedRope, short_equals_long: bool, flags: bool
         return f"{rope.method} is not a built-in method (no engine knows a method registered at run time)"
     if not rule.supported:
         fix = "; use --engine transformers" if engine != "transformers" else ""
+        if engine != "transformers" and _refusal("transformers", rope, short_equals_long) is not None:
+            fix = "; no engine here serves it: load the folder with rope_patch.load_model"  # Phi's DroPE, ...
         if rope.gguf_architecture:  # a GGUF retag: llama.cpp it is
             fix = "; give a static method (e.g. yarn or ntk with the same factor)"
         return f"{rope.method}: {rule.note}{fix}"
@@ -286,7 +288,8 @@ def _refusal(engine: str, rope: ServedRope, short_equals_long: bool, flags: bool
         return "per-layer-type RoPE (Gemma 3 style): rope_patch exports one RoPE per model to this engine"
     if not rope.spelt:
         return (f"{rope.model_type or 'this'} config class cannot spell {rope.method} in rope_parameters "
-                "(the patch lives in the rope_patch record: reload with rope_patch.from_pretrained)")
+                "(the patch lives in the rope_patch record: reload with rope_patch.load_model or "
+                "rope_patch.from_pretrained)")
     if engine == "llama.cpp":
         arch = rope.gguf_architecture or GGUF_ARCHITECTURES.get(rope.model_type)
         if arch is None:

@@ -25,7 +25,7 @@ from .core import (
 )
 from .attention import measure_layouts
 from .offload import has_offloaded_weights, input_device, named_weights, weights_loaded
-from .record import CONFIG_KEY, config_scaling_label, saved_patch
+from .record import CONFIG_KEY, config_scaling_label, saved_patch, without_plain_refusal
 from .rotary import find_rotary_modules, forget_lengths_seen, inv_freq_buffer, rotary_dim
 
 __all__ = [
@@ -33,5 +33,5 @@ __all__ = [
     "forget_lengths_seen", "has_offloaded_weights", "input_device", "inv_freq_buffer", "measure_layouts",
     "named_weights", "native_length", "native_length_source", "patch", "patch_state", "patched", "primary_rotary",
     "restore_saved_patch", "rotary_dim", "rotary_setup", "saved_patch", "set_layer_types", "set_native_length",
-    "unpatch", "weights_loaded",
+    "unpatch", "weights_loaded", "without_plain_refusal",
 ]

@@ -330,7 +330,10 @@ def _patch(model: nn.Module, method: str, layer_types, native_length: int | None
     for config, snapshot in state.config_snapshots.values():  # the record: rope_patch.from_pretrained re-applies it
         record = patch_record(snapshot, method, params, state.label, layer_list if any(layer_list) else None,
                               native[0])
-        older_readers = write_record(config, record, portable=spelt and attention is None)
+        refuse_plain = None  # p-RoPE, DroPE the config cannot spell: its base RoPE would be a silent wrong number
+        if frequency is not None and get_method(frequency[0]).zero_frequencies and not spelt:
+            refuse_plain = [type(m) for m in {id(t.module): t.module for t in plan if t.module.config is config}.values()]
+        older_readers = write_record(config, record, portable=spelt and attention is None, refuse_plain=refuse_plain)
     report.saved_as += f"; {older_readers}"
     step("setting the attention softmax scales")
     state.softmax_scales = install_scales(scales)

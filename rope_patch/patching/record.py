@@ -332,6 +332,86 @@ def legacy_marker(label: str) -> str:
     return f"rope_patch:{label} (transformers 4.x cannot run it: load with rope_patch.from_pretrained, transformers 5)"
 
 
+# The rope_type a checkpoint's legacy rope_scaling carries when plain transformers must refuse it (p-RoPE, DroPE where
+# the config cannot spell pairs at frequency 0): transformers 5 prefers rope_scaling to rope_parameters on load, then
+# finds no RoPE of that name and stops with a KeyError naming the fix; rope_patch's loaders take it off first.
+PLAIN_REFUSAL_PREFIX = "rope_patch:"
+
+
+def plain_refusal_marker(label: str) -> str:
+    """The rope_type that makes plain transformers refuse a checkpoint it would otherwise load as the base RoPE."""
+    return (f"{PLAIN_REFUSAL_PREFIX}{label} (plain transformers cannot run this patch on this family: load it with "
+            "rope_patch.load_model or rope_patch.from_pretrained)")
+
+
+def _refusal_types(params: Any) -> list[Any]:
+    """The rope_types of a rope_parameters mapping, flat or per layer type."""
+    if not isinstance(params, Mapping):
+        return []
+    nested = [v for v in params.values() if isinstance(v, Mapping)]
+    return [p.get("rope_type") for p in nested] if nested else [params.get("rope_type")]
+
+
+def carries_plain_refusal(params: Any) -> bool:
+    """Whether rope_parameters (or a legacy rope_scaling) hold the rope_type of ``plain_refusal_marker``."""
+    return any(isinstance(t, str) and t.startswith(PLAIN_REFUSAL_PREFIX) for t in _refusal_types(params))
+
+
+def without_plain_refusal(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """config.json's contents (a dict) with the plain-transformers refusal taken off (its rope_scaling, and the
+    rope_theta text for transformers 4.x), in the config or a nested ``*_config``: what rope_patch's loaders build
+    the config from, its rope_parameters as saved, the patch then re-applied from its record. None: no refusal."""
+    found = False
+    cleaned = copy.deepcopy(dict(body))
+    for part in [cleaned] + [v for k, v in cleaned.items() if k.endswith("_config") and isinstance(v, dict)]:
+        if carries_plain_refusal(part.get("rope_scaling")):
+            del part["rope_scaling"]
+            if isinstance(part.get("rope_theta"), str):
+                del part["rope_theta"]
+            found = True
+    return cleaned if found else None
+
+
+def _plain_refusal(config, label: str) -> dict[str, Any]:
+    """The legacy keys that make plain transformers (5 and 4.x) refuse the saved config: rope_scaling with the live
+    rope_parameters under the refusal's rope_type, and 4.x's rope_theta marker."""
+    marker = plain_refusal_marker(label)
+    params = copy.deepcopy(config.rope_parameters)
+    nested = [v for v in params.values() if isinstance(v, dict)]
+    for part in nested or [params]:
+        part["rope_type"] = marker
+    return {"rope_theta": legacy_marker(label), "rope_scaling": params}
+
+
+def _refused_on_reload(config, reference: dict[str, Any], rotary_classes: list[type]) -> bool:
+    """Whether the saved config refuses plain transformers 5 (the config class rejects the refusal's rope_type, or
+    reads it and then no rotary class can be built from it: no plain load runs the base RoPE) while rope_patch's
+    reading (``without_plain_refusal``) gets every entry back as it is now."""
+    try:
+        body = json.loads(config.to_json_string())
+    except Exception:  # noqa: BLE001  whatever the config class raises: it cannot be saved as it is
+        return False
+    cleaned = without_plain_refusal(body)
+    ours = None if cleaned is None else _reload(type(config), json.dumps(cleaned))
+    if ours is None or any(ours.get(k) != v for k, v in reference.items()):
+        return False
+    try:
+        with quiet_transformers():
+            plain = type(config).from_dict(body)
+    except Exception as error:  # noqa: BLE001  refused by the config class (Phi-3 takes default and longrope only)
+        return PLAIN_REFUSAL_PREFIX in str(error)
+    if not carries_plain_refusal(plain.rope_parameters):
+        return False
+    for rotary_class in rotary_classes:
+        try:
+            with quiet_transformers():
+                rotary_class(config=plain)
+        except Exception:  # noqa: BLE001, S112  refused: what is wanted
+            continue
+        return False
+    return True
+
+
 def _legacy_candidates(config, portable: bool, label: str) -> list[dict[str, Any]]:
     """What older readers may be given, best first: transformers 4.x's own spelling of the patched RoPE (a flat
     rope_parameters transformers implements), else the marker that makes them fail loudly."""
@@ -369,22 +449,38 @@ def _reload(config_class: type, text: str) -> dict[str, Any] | None:
     return {k: copy.deepcopy(getattr(reloaded, k)) for k in CONFIG_FIELDS if hasattr(reloaded, k)}
 
 
-def write_record(config, record: dict[str, Any], portable: bool) -> str:
+def _put_back(config, before: dict[str, Any]) -> None:
+    """The legacy keys as they were before a candidate was tried (MISSING: absent)."""
+    for key, value in before.items():
+        if value is MISSING:
+            config.__dict__.pop(key, None)
+        else:
+            config.__dict__[key] = value
+
+
+def write_record(config, record: dict[str, Any], portable: bool, refuse_plain: list[type] | None = None) -> str:
     """Write config.rope_patch, and for older readers the legacy keys: transformers 4.x's rope_scaling/rope_theta
     where the patch has a transformers spelling, else a marker that makes 4.x fail loudly. Only what transformers 5
-    reads back identically is kept. Returns what transformers 4.x will make of the saved config."""
+    reads back identically is kept. ``refuse_plain`` (the rotary classes of a patch the config cannot spell, whose
+    base-RoPE reload would be a silent wrong number: p-RoPE, DroPE): keys that make transformers 5 and 4.x refuse the
+    saved config instead, where each class is then refused. Returns what plain transformers will make of it."""
     setattr(config, CONFIG_KEY, record)
     reference = {k: copy.deepcopy(getattr(config, k, None)) for k in CONFIG_FIELDS if k != CONFIG_KEY}
+    if refuse_plain:
+        keys = _plain_refusal(config, record["label"])
+        before = {k: config.__dict__.get(k, MISSING) for k in keys}
+        config.__dict__.update(keys)
+        if _refused_on_reload(config, {**reference, CONFIG_KEY: record}, refuse_plain):
+            return "plain transformers (5 and 4.x) refuses to load it: its rope_type names rope_patch.load_model"
+        _put_back(config, before)
+    unrefused = ("NOT refused by plain transformers 5, which would load it as the base RoPE: load it with "
+                 "rope_patch.load_model; ") if refuse_plain else ""
     for candidate in _legacy_candidates(config, portable, record["label"]):
         before = {k: config.__dict__.get(k, MISSING) for k in candidate}
         config.__dict__.update(copy.deepcopy(candidate))
         expected = {**reference, **{k: v for k, v in candidate.items() if k not in LEGACY_FIELDS}}
         if _reloads_identically(config, expected):
-            return "transformers 4.x reads it too" if "rope_scaling" in candidate else \
-                "transformers 4.x refuses to load it (its rope_theta names rope_patch)"
-        for key, value in before.items():
-            if value is MISSING:
-                config.__dict__.pop(key, None)
-            else:
-                config.__dict__[key] = value
-    return "transformers 4.x would load plain RoPE: no legacy key this config class reads back unchanged"
+            return unrefused + ("transformers 4.x reads it too" if "rope_scaling" in candidate else
+                                "transformers 4.x refuses to load it (its rope_theta names rope_patch)")
+        _put_back(config, before)
+    return unrefused + "transformers 4.x would load plain RoPE: no legacy key this config class reads back unchanged"

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 from all_models import assert_same, fingerprint
-from tiny_models import NATIVE, build_model, family_config, tiny_llama_config, write_training_workspace
+from tiny_models import (FAMILIES, NATIVE, build_model, family_config, make_char_tokenizer, tiny_llama_config,
+                         write_training_workspace)
 from transformers import AutoModelForCausalLM
 
 import rope_patch
@@ -126,6 +127,60 @@ def test_prope_saves_as_transformers_proportional_where_the_class_computes_it(tm
     partial.save_pretrained(tmp_path / "partial")
     reloaded = rope_patch.from_pretrained(tmp_path / "partial", dtype=torch.float32, attn_implementation="eager")
     assert torch.equal(_logits(reloaded), _logits(partial))
+
+
+# llama: rotary dims are the whole head (transformers' proportional spells the patch); phi: half the head rotates;
+# phi3: whole head, but its config class takes default and longrope only (it refuses the marker while loading).
+SAVED = [("llama", "drope"), ("llama", "prope"), ("phi", "drope"), ("phi", "prope"), ("phi3", "drope")]
+
+
+@pytest.mark.parametrize(("family", "method"), SAVED)
+def test_saved_checkpoint_reloads_plain_exactly_or_is_refused_naming_load_model(tmp_path, family, method):
+    """Oracles: transformers' own reload of the folder (the patched model's logits, where the config spells the
+    patch), and its refusal (where it cannot: before, it silently loaded plain RoPE, a wrong number)."""
+    model = build_model(family_config(family, initializer_range=0.1), seed=0)
+    report = rope_patch.patch(model, method, **({"keep": 0.5} if method == "prope" else {}))
+    expected = _logits(model)
+    model.save_pretrained(tmp_path)
+    make_char_tokenizer().save_pretrained(tmp_path)
+    spelt = family == "llama"
+    assert ("plain from_pretrained reloads it" in report.saved_as) == spelt
+    assert ("plain transformers (5 and 4.x) refuses" in report.saved_as) == (not spelt)
+    if spelt:
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+        torch.testing.assert_close(_logits(plain), expected, atol=1e-6, rtol=1e-6)
+    else:
+        with pytest.raises(Exception, match="rope_patch.load_model") as refused:  # noqa: PT011  transformers' own
+            AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        assert any(line.count("rope_patch.load_model") == 1 for line in str(refused.value).splitlines())
+        if family != "phi3":  # the config loads, the rotary module does not: one line
+            assert isinstance(refused.value, KeyError) and "\n" not in str(refused.value)
+    loaded, _ = rope_patch.load_model(tmp_path, device="cpu", dtype="fp32", attn_implementation="eager")
+    assert rope_patch.current_patch(loaded)["method"] == method
+    torch.testing.assert_close(_logits(loaded), expected, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(_logits(build_model(family_config(family, initializer_range=0.1), seed=0)), expected,
+                              atol=1e-4)  # the base RoPE's logits differ: a silent plain load would be caught
+
+
+def test_every_family_saves_drope_reloadable_by_plain_transformers_or_refusing_it():
+    """No family's DroPE checkpoint falls back to a silent base-RoPE reload (write_record checks each way on a
+    reload of the config it writes)."""
+    for family in FAMILIES:
+        report = rope_patch.patch(build_model(family_config(family)), "drope")
+        assert "plain from_pretrained reloads it" in report.saved_as or \
+            "plain transformers (5 and 4.x) refuses" in report.saved_as, f"{family}: {report.saved_as}"
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm", "llama.cpp"])
+def test_export_of_a_drope_checkpoint_its_config_cannot_spell_is_refused_in_one_line(tmp_path, engine):
+    model = build_model(family_config("phi"), seed=0)
+    rope_patch.patch(model, "drope")
+    model.save_pretrained(tmp_path / "ckpt")
+    make_char_tokenizer().save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(EngineUnsupportedError, match="drope.*rope_patch.load_model") as refused:
+        rope_patch.run_export(model=str(tmp_path / "ckpt"), engine=engine, output=str(tmp_path / "out"))
+    assert "\n" not in str(refused.value) and "--engine transformers" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_finetune_method_drope_recalibrates_and_reloads_exactly(tmp_path):
