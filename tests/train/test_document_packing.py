@@ -193,6 +193,26 @@ def test_combinations_it_cannot_make_exact_are_refused_in_one_line(options, word
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # ~1 s, but ~10 s where it is the process's first FlexAttention call (torch's compiler imports)
+def test_the_fused_attention_keeps_each_document_alone():
+    """The fused path (FlexAttention, one block mask per layout; GPU training's default, run here eagerly, forward only:
+    flex has no backward on a CPU) takes the documents too: transformers' packed-sequence mask function from the
+    restarting ids, different in each row, in each layout's block mask."""
+    from rope_patch.patching.flex import attention_kernel
+
+    model = build_model(family_config("llama", initializer_range=0.2))
+    model.config._attn_implementation = "sdpa"
+    rope_patch.patch(model, "dca", chunk=6, local=2)
+    data = packed((12, 5, 9, 7, 11, 6), 24)
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)
+    documents = document_batch(input_ids, segments, attention="rope_patch")
+    with torch.no_grad():
+        with attention_kernel("fused"):
+            loss = micro_batch_loss(model, input_ids, documents=documents)
+        expected = alone_loss(model, input_ids, segments, documents.position_ids)  # tiled, unpacked
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("options", [
     dict(method="self_extend:group=4,window=8"),
     dict(method="yarn:factor=2+dca:chunk=24,local=4", document_positions="continue"),
