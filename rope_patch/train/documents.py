@@ -17,6 +17,11 @@ attention, which transformers reads from the ids of a batch of one only); the id
 start, nowhere else. Otherwise the ids jump inside documents (PoSE)
 or never (continue), so a 4D block-diagonal mask is passed, which only sdpa and eager take (transformers passes a 4D
 mask as it is, also to sliding-window layers, which would lose their window: refused there).
+
+The attention-level methods (``rope_patch`` attention, ``patching.attention``) take both forms, tiled or fused: the
+packed-sequence mask function or the 4D mask, evaluated tile by tile or as each layout's block mask, gives pairs across
+documents no weight, and each pair's layout is chosen from the position ids the layer receives: restarting ids give
+each document the layouts it has alone at 0, continuing ids those it has alone at its offset, PoSE's ids its skips.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..loss import IGNORE_INDEX, shift_targets
+from ..patching.attention import ATTENTION_NAME
 
 PACKING = ("joined", "documents")
 DOCUMENT_POSITIONS = ("restart", "continue")
-MASKED_ATTENTION = ("sdpa", "eager")  # the implementations that take a 4D mask as it is
+# the implementations that take a 4D mask as it is (rope_patch's: the attention-level methods' banded attention)
+MASKED_ATTENTION = ("sdpa", "eager", ATTENTION_NAME)
 
 
 @dataclass

@@ -118,6 +118,60 @@ def test_a_packed_step_gives_the_loss_and_gradients_of_each_document_alone(famil
         torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def far_layouts_used(spec: str, positions: torch.Tensor, segments: torch.Tensor) -> set[int]:
+    """The layouts of the attention method of ``spec`` (0: the trained one) that pairs within a document are scored
+    in, from the method's own rule on the positions (B, L) each document has alone."""
+    from rope_patch.methods.attention import attention_bands
+
+    name, params = rope_patch.parse_method_spec(spec.rpartition("+")[2])
+    length = positions.shape[1]
+    within = (segments[:, :, None] == segments[:, None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
+    chosen = attention_bands(name, params).choose(positions[:, :, None].float(), positions[:, None, :].float())
+    return set(chosen[within].tolist())
+
+
+@pytest.mark.parametrize("family, spec, restart, pose, lora, attention", [
+    # restarting ids, no mask: transformers' packed-sequence mask function, tile by tile
+    ("llama", "self_extend:group=2,window=3", True, False, False, "sdpa"),
+    # soft-capping and sliding-window layers (transformers' packed masks keep the windows); LoRA's gradients
+    ("gemma2", "dca:chunk=6,local=2", True, False, True, "eager"),
+    # PoSE's skips: the 4D mask; a frequency method under the attention method; partial RoPE
+    ("glm", "yarn:factor=2+string:shift=4,window=2", True, True, False, "sdpa"),
+    # continuing ids: each document's layouts at its offset (DCA's chunks follow the absolute position)
+    ("qwen3", "dca:chunk=6,local=2", False, False, False, "sdpa"),
+])
+def test_attention_methods_train_each_document_with_its_own_layout(family, spec, restart, pose, lora, attention):
+    """The attention-level methods: a packed step gives the loss and every gradient of running each document alone
+    through the patched model (its own ids, an unpacked forward): each pair's layout from the document's positions,
+    no weight across documents. Three documents of 5 to 13 tokens per row, windows of 2 to 4: every layout used."""
+    model = build_model(family_config(family, initializer_range=0.2))  # sharp: a layout one off moves the loss ~1 %
+    model.config._attn_implementation = attention
+    rope_patch.patch(model, spec)
+    check_document_packing(model, restart=restart, pose=pose, batch_size=2)
+    if lora:
+        model = add_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj"])
+    model.train()
+    data = packed((12, 5, 9, 7, 11, 6), 24)
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)  # (2, 24) each
+    assert (segments.max(dim=1).values == 2).all()  # three documents in each row
+    pose_ids = pose_batch(range(2), 24, 96, chunks=3, seed=5) if pose else None
+    documents = document_batch(input_ids, segments, restart=restart, position_ids=pose_ids,
+                               attention=model.config._attn_implementation)
+    assert (documents.attention_mask is None) == (restart and not pose)
+    bands = far_layouts_used(spec, documents.position_ids, segments)
+    assert bands == set(range(3 if spec.startswith("dca") else 2)), bands  # the far layouts are trained too
+    loss = micro_batch_loss(model, input_ids, documents=documents)
+    loss.backward()
+    packed_grads = gradients(model)
+    model.zero_grad()
+
+    expected = alone_loss(model, input_ids, segments, documents.position_ids)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+    for name, grad in gradients(model).items():  # fp32 noise on this sharp model: ~3e-6 (yarn alone: ~2e-6)
+        assert (packed_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
+
+
 def test_joined_packing_differs_from_documents_alone():
     """The oracle can fail: today's joined packing (attention and positions across the joins) gives another loss."""
     model = build_model(family_config("llama"))
@@ -133,7 +187,7 @@ def test_joined_packing_differs_from_documents_alone():
 
 @pytest.mark.parametrize("options, words", [
     (dict(method="dynamic_ntk:factor=2"), "sequence's length"),
-    (dict(method="yarn:factor=2+rerope:window=16"), "attention layout"),
+    (dict(method="dynamic_ntk:factor=2+rerope:window=16"), "sequence's length"),
     (dict(sequence_parallel=2, document_positions="continue"), "Ulysses drops attention masks"),
     (dict(sequence_parallel=2, pose_target_len=64), "reads the documents from restarting position ids"),
     (dict(pose_target_len=64, attn_implementation="flash_attention_2"), "4D document mask"),
@@ -150,6 +204,37 @@ def test_sequence_parallelism_takes_restarting_documents():
     assert config.packing == "documents" and config.sequence_parallel == 2
 
 
+@pytest.mark.slow  # ~1 s, but ~10 s where it is the process's first FlexAttention call (torch's compiler imports)
+def test_the_fused_attention_keeps_each_document_alone():
+    """The fused path (FlexAttention, one block mask per layout; GPU training's default, run here eagerly, forward only:
+    flex has no backward on a CPU) takes the documents too: transformers' packed-sequence mask function from the
+    restarting ids, different in each row, in each layout's block mask."""
+    from rope_patch.patching.flex import attention_kernel
+
+    model = build_model(family_config("llama", initializer_range=0.2))
+    model.config._attn_implementation = "sdpa"
+    rope_patch.patch(model, "dca", chunk=6, local=2)
+    data = packed((12, 5, 9, 7, 11, 6), 24)
+    input_ids, segments = data.batch(0, 0, 0, 1, 2, 1), data.segments(0, 0, 0, 1, 2, 1)
+    documents = document_batch(input_ids, segments, attention="rope_patch")
+    with torch.no_grad():
+        with attention_kernel("fused"):
+            loss = micro_batch_loss(model, input_ids, documents=documents)
+        expected = alone_loss(model, input_ids, segments, documents.position_ids)  # tiled, unpacked
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("options", [
+    dict(method="self_extend:group=4,window=8"),
+    dict(method="yarn:factor=2+dca:chunk=24,local=4", document_positions="continue"),
+    # rope_patch's attention takes the 4D mask, whatever --attn-implementation loads the model
+    dict(method="string:shift=12,window=4", pose_target_len=64, attn_implementation="flash_attention_2"),
+])
+def test_attention_methods_are_accepted(options):
+    config = FinetuneConfig.from_options(**{"length": 32, "packing": "documents"} | options)
+    assert config.packing == "documents"
+
+
 def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
     sliding = build_model(family_config("gemma2"))
     sliding.config._attn_implementation = "sdpa"
@@ -163,6 +248,13 @@ def test_a_loaded_model_whose_attention_cannot_take_the_mask_is_refused():
     check_document_packing(flash, restart=True, pose=False)  # varlen from the restarting ids, one sequence
     with pytest.raises(ConfigError, match="--batch-size 1"):
         check_document_packing(flash, restart=True, pose=False, batch_size=2)
+    rope_patch.patch(flash, "self_extend", group=4, window=8)  # rope_patch's attention takes the mask, any batch
+    for restart, pose in ((True, False), (True, True), (False, False)):
+        check_document_packing(flash, restart=restart, pose=pose, batch_size=2)
+    rope_patch.patch(sliding, "dca", chunk=24, local=4)
+    check_document_packing(sliding, restart=True, pose=False, batch_size=2)
+    with pytest.raises(ConfigError, match="sliding windows"):  # a 4D mask would still replace the windows
+        check_document_packing(sliding, restart=True, pose=True)
 
 
 def document_workspace(folder):

@@ -160,9 +160,6 @@ class FinetuneConfig(JobConfig):
                 raise ConfigError("--document-positions applies only with --packing documents; add it or drop it")
             return
         frequency, attention = frequency_and_attention(self.method)
-        if attention:
-            raise ConfigError(f"--packing documents cannot train {self.method}: its attention layout spans the whole "
-                              "sequence, not each document; train a frequency method, or use --packing joined")
         if frequency and get_method(frequency[0]).length_dependent:
             raise ConfigError(f"--packing documents cannot train {frequency[0]}: its frequencies follow the sequence's "
                               "length, not each document's; train a static method, or use --packing joined")
@@ -173,7 +170,9 @@ class FinetuneConfig(JobConfig):
             raise ConfigError("--packing documents with --sequence-parallel: Ulysses drops attention masks and reads "
                               "the documents from restarting position ids, which PoSE and --document-positions "
                               "continue do not give; use --document-positions restart without --pose-target-len")
-        if self.attn_implementation not in (None, "sdpa", "eager") and (
+        # an attention-level method attends through rope_patch's own attention, which takes the mask, whatever
+        # --attn-implementation loaded the model
+        if not attention and self.attn_implementation not in (None, "sdpa", "eager") and (
                 self.pose_target_len is not None or self.document_positions == "continue"):
             raise ConfigError("--packing documents with PoSE or --document-positions continue needs a 4D document "
                               f"mask, which {self.attn_implementation} does not take; use --attn-implementation sdpa")
