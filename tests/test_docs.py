@@ -37,7 +37,7 @@ OTHER_PROGRAMS = {
     "--collect-only", "--enforce-eager", "--rope-scaling", "--rope-scale", "--yarn-orig-ctx", "--table-only",
     "--yarn-beta-fast", "--yarn-beta-slow",
     "--rope-freq-base", "--ctx-size", "--finetune-steps", "--trials", "--stage",
-    "--version", "--include_path", "--logdir", "--json", *MISSPELT_ON_PURPOSE,
+    "--version", "--include_path", "--logdir", "--json", "--methods", *MISSPELT_ON_PURPOSE,
 }
 
 
