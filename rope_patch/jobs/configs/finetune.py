@@ -167,9 +167,9 @@ class FinetuneConfig(JobConfig):
             raise ConfigError("--packing documents with --mixed-window: longrope switches factors by the longest "
                               "position of the micro-batch, not of each document; drop one of them")
         if self.sequence_parallel > 1 and (self.pose_target_len is not None or self.document_positions == "continue"):
-            raise ConfigError("--packing documents with --sequence-parallel: Ulysses drops attention masks and reads "
-                              "the documents from restarting position ids, which PoSE and --document-positions "
-                              "continue do not give; use --document-positions restart without --pose-target-len")
+            from ...train.sequence_parallel import SEQUENCE_PARALLEL_DOCUMENTS  # torch: only for such a run
+
+            raise ConfigError(SEQUENCE_PARALLEL_DOCUMENTS)
         # an attention-level method attends through rope_patch's own attention, which takes the mask, whatever
         # --attn-implementation loaded the model
         if not attention and self.attn_implementation not in (None, "sdpa", "eager") and (
